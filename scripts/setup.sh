@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what kvpool needs on a fresh Debian machine, idempotently:
+# the Debian package libibverbs1 (Mooncake links it even for TCP) and a
+# virtual environment .venv with kvpool and its extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  echo "setup: installing the Debian package libibverbs1" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+
+# Reinstall only when the dependency list changed.
+stamp=.venv/.kvpool-deps
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python packages into .venv" >&2
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[cli,lookup,mooncake-cpu,dev]"
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,114 @@
+"""``kvpool`` commands: option parsing, the one error boundary and exit codes.
+
+Every command builds its output with ``render`` and prints it on one console.
+Bad input exits 2 with one line on stderr; a kvpool error exits 1 likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+from rich.console import Console
+
+from kvpool.cli import render
+from kvpool.errors import KVPoolError
+from kvpool.keys import KeySpace
+from kvpool.layout import GroupSpec, Layout
+from kvpool.plan import build_plan
+
+console = Console()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO level.")
+def cli(verbose: bool) -> None:
+    """kvpool: a shared KV-cache pool for vLLM engines on Mooncake Store."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+
+
+@cli.command()
+@click.option("--tp", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--pp", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--pcp", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--dcp", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--dp-index",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Global DP index of the engine (names it; never changes keys).",
+)
+@click.option(
+    "--group",
+    "groups",
+    multiple=True,
+    metavar="KIND[:HEADS]",
+    help="A KV group: mla, mamba, gqa:N or mha:N. Repeat for hybrid models.",
+)
+@click.option(
+    "--kv-heads",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Shorthand for one gqa group with this many KV heads.",
+)
+@click.option("--chunks", default=16, show_default=True, type=click.IntRange(min=1, max=100000))
+@click.option("--model", default="example/model", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+def plan(
+    tp: int,
+    pp: int,
+    pcp: int,
+    dcp: int,
+    dp_index: int,
+    groups: tuple[str, ...],
+    kv_heads: int | None,
+    chunks: int,
+    model: str,
+    as_json: bool,
+) -> None:
+    """Show who writes and who reads every key of a parallel layout."""
+    specs: list[str | GroupSpec] = list(groups)
+    if kv_heads is not None:
+        specs.append(f"gqa:{kv_heads}")
+    if not specs:
+        raise click.UsageError(
+            "give the model's KV groups: --group mla, --group gqa:8 (repeatable) or --kv-heads N"
+        )
+    layout = Layout.create(tp=tp, pp=pp, pcp=pcp, dcp=dcp, groups=specs, dp_index=dp_index)
+    space = KeySpace.create(
+        model=model,
+        layout=layout,
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=16,
+        head_size=128,
+        num_layers=1,
+    )
+    result = build_plan(layout, space, chunks)
+    if as_json:
+        click.echo(json.dumps(render.plan_json(result)))
+        return
+    console.print(render.plan_ranks_table(result))
+    console.print(render.plan_totals_table(result))
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Run the CLI; map every error to one line on stderr and an exit status."""
+    try:
+        cli.main(args=argv, prog_name="kvpool", standalone_mode=False)
+    except click.exceptions.Abort:
+        print("kvpool: aborted", file=sys.stderr)
+        return 130
+    except click.ClickException as exc:
+        print(f"kvpool: error: {exc.format_message()}", file=sys.stderr)
+        return 2
+    except KVPoolError as exc:
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    return 0

@@ -1,0 +1,109 @@
+"""Builds rich renderables from core results; prints nothing itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from kvpool.layout import ContentId
+from kvpool.plan import Plan, Totals, reference_totals
+
+
+def content_label(c: ContentId) -> str:
+    return f"h{c.head_slot}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}"
+
+
+def plan_ranks_table(plan: Plan) -> Table:
+    """One row per rank: coordinates, and per group identity, replicas, write share."""
+    layout = plan.layout
+    t = Table(title=f"kvpool plan: {_layout_label(plan)}, {plan.chunks} chunks")
+    for name in ("rank", "tp", "pp", "pcp", "dcp"):
+        t.add_column(name, justify="right")
+    for g, spec in enumerate(layout.groups):
+        t.add_column(f"g{g} {spec} content")
+        t.add_column("replicas", justify="right")
+        t.add_column("writes", justify="right")
+    shares = {(s.rank, s.group): s for s in plan.shares}
+    for c in layout.coords:
+        row = [str(v) for v in (c.rank, c.tp_rank, c.pp_rank, c.pcp_rank, c.dcp_rank)]
+        for g in range(len(layout.groups)):
+            s = shares[(c.rank, g)]
+            row += [
+                content_label(layout.content(c.rank, g)),
+                str(s.replicas),
+                _share(s.write_share),
+            ]
+        t.add_row(*row)
+    return t
+
+
+def plan_totals_table(plan: Plan) -> Table:
+    """Totals per chunk and per lookup, ours beside the in-tree connector's rule."""
+    ours, ref = plan.totals, reference_totals(plan.layout)
+    t = Table(title="totals")
+    t.add_column("")
+    t.add_column("kvpool", justify="right")
+    t.add_column("vLLM in-tree rule", justify="right")
+
+    def row(label: str, f: Any) -> None:
+        t.add_row(label, f(ours), f(ref))
+
+    row("objects written per chunk", lambda x: str(x.objects_per_chunk))
+    row("distinct contents per chunk", lambda x: str(x.distinct_per_chunk))
+    row("write amplification", lambda x: f"{x.write_amplification:.2f}x")
+    row(
+        f"keys probed per lookup ({plan.chunks} chunks)",
+        lambda x: str(_lookup_keys(x, plan.chunks)),
+    )
+    return t
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The ``--json`` object: exactly layout, ranks, puts, gets, lookup_keys."""
+    layout = plan.layout
+    return {
+        "layout": {
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "pcp": layout.pcp,
+            "dcp": layout.dcp,
+            "dp_index": layout.dp_index,
+            "groups": [str(g) for g in layout.groups],
+            "chunks": plan.chunks,
+            "model": plan.space.model,
+        },
+        "ranks": [
+            {
+                "rank": c.rank,
+                "tp_rank": c.tp_rank,
+                "pp_rank": c.pp_rank,
+                "pcp_rank": c.pcp_rank,
+                "dcp_rank": c.dcp_rank,
+            }
+            for c in layout.coords
+        ],
+        "puts": [
+            {"rank": p.rank, "group": p.group, "chunk": p.chunk, "key": p.key} for p in plan.puts
+        ],
+        "gets": [
+            {"rank": p.rank, "group": p.group, "chunk": p.chunk, "key": p.key} for p in plan.gets
+        ],
+        "lookup_keys": [
+            {"group": p.group, "chunk": p.chunk, "key": p.key} for p in plan.lookup_keys
+        ],
+    }
+
+
+def _lookup_keys(t: Totals, chunks: int) -> int:
+    return t.keys_per_chunk_lookup * chunks
+
+
+def _share(x: float) -> str:
+    return "all" if x == 1.0 else f"1/{round(1 / x)}"
+
+
+def _layout_label(plan: Plan) -> str:
+    L = plan.layout
+    groups = ",".join(str(g) for g in L.groups)
+    return f"tp={L.tp} pp={L.pp} pcp={L.pcp} dcp={L.dcp} groups={groups}"

@@ -1,0 +1,211 @@
+"""Key schema: names of pool objects, the config fingerprint, and DP endpoints.
+
+    KeySpace.create(...)      model identity + config fingerprint for one engine
+                              configuration (everything that changes KV bytes
+                              or the hash chain goes into the fingerprint)
+    KeySpace.key(c, h)        the key of content ``c`` (a layout.ContentId) for
+                              chunk hash ``h``
+    parse_key(s)              the inverse of ``key``; ``format(parse_key(s)) == s``
+    KeySpace.prefix           the prefix every key of this space starts with
+    dp_index_of(cfg)          an engine's DP identity from vLLM's parallel config
+    lookup_endpoint(...)      the lookup socket of one DP engine
+
+A key reads, left to right (``/`` separated)::
+
+    kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head_slot>.d<dcp>.c<pcp>.p<pp>/<hash hex>
+
+The model is its full name or path (percent-quoted where needed, ``/`` kept),
+so ``org-a/llama`` and ``org-b/llama`` never collide. Two configurations that
+differ in any byte-changing field have different fingerprints, hence disjoint
+keys: a bf16 and an fp32 engine of one model sharing a pool just miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import quote, unquote
+
+from kvpool.errors import KeyFormatError, LayoutError
+from kvpool.layout import ContentId, Layout
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "KeySpace",
+    "ParsedKey",
+    "dp_index_of",
+    "lookup_endpoint",
+    "parse_key",
+]
+
+SCHEMA_VERSION = 1
+_ROOT = "kvpool"
+_FP_HEX = 16  # 64 bits of sha256 over the canonical config
+_SAFE = "/:@._-+=~,"
+_CONTENT_RE = re.compile(r"g(\d+)\.h(\d+)\.d(\d+)\.c(\d+)\.p(\d+)")
+_HEX_RE = re.compile(r"[0-9a-f]+")
+_FP_RE = re.compile(rf"[0-9a-f]{{{_FP_HEX}}}")
+
+
+def _hash_hex(chunk_hash: bytes | str) -> str:
+    if isinstance(chunk_hash, bytes | bytearray):
+        if not chunk_hash:
+            raise KeyFormatError("chunk hash is empty")
+        return bytes(chunk_hash).hex()
+    h = chunk_hash.lower()
+    if not _HEX_RE.fullmatch(h):
+        raise KeyFormatError(f"chunk hash must be bytes or lowercase hex, got {chunk_hash!r}")
+    return h
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedKey:
+    """The parts of one key. ``str(k)`` formats it back exactly."""
+
+    model: str
+    fingerprint: str
+    content: ContentId
+    chunk_hash: str  # lowercase hex
+    schema: int = SCHEMA_VERSION
+
+    def __str__(self) -> str:
+        c = self.content
+        return (
+            f"{_ROOT}/{self.schema}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
+            f"g{c.group}.h{c.head_slot}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}/{self.chunk_hash}"
+        )
+
+
+def parse_key(key: str) -> ParsedKey:
+    """Parse a key made by ``KeySpace.key``; raise ``KeyFormatError`` otherwise."""
+    head = key.split("/", 2)
+    if len(head) != 3 or head[0] != _ROOT:
+        raise KeyFormatError(f"not a kvpool key (must start with '{_ROOT}/'): {key!r}")
+    if not head[1].isdigit():
+        raise KeyFormatError(f"bad schema version {head[1]!r} in {key!r}")
+    tail = head[2].rsplit("/", 3)
+    if len(tail) != 4 or not tail[0]:
+        raise KeyFormatError(f"kvpool key has too few parts: {key!r}")
+    model_q, fp, content_s, h = tail
+    m = _CONTENT_RE.fullmatch(content_s)
+    if not _FP_RE.fullmatch(fp) or m is None or not _HEX_RE.fullmatch(h):
+        raise KeyFormatError(f"malformed fingerprint, content or hash in {key!r}")
+    g, slot, d, c, p = (int(x) for x in m.groups())
+    parsed = ParsedKey(unquote(model_q), fp, ContentId(slot, d, c, p, g), h, int(head[1]))
+    if str(parsed) != key:  # non-canonical spellings (e.g. leading zeros) are refused
+        raise KeyFormatError(f"kvpool key is not in canonical form: {key!r}")
+    return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """The model identity and config fingerprint shared by all keys of one config.
+
+    ``config`` holds the canonical, JSON-able fields the fingerprint was taken of,
+    so logs and ``kvpool status`` can say what a namespace is.
+    """
+
+    model: str
+    fingerprint: str
+    config: Mapping[str, Any] = field(compare=False, hash=False, default_factory=dict)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        model: str,
+        layout: Layout,
+        kv_dtype: str,
+        model_dtype: str,
+        chunk_size: int,
+        head_size: int,
+        num_layers: int,
+        hash_algo: str = "sha256",
+        hash_seed: str = "",
+        extra: Mapping[str, str | int] | None = None,
+    ) -> KeySpace:
+        """Fingerprint everything that changes KV bytes or the hash chain.
+
+        ``extra`` takes further byte-changing fields (a weights revision, a
+        quantisation scheme); each changes the fingerprint.
+        """
+        if not model:
+            raise LayoutError("model name must not be empty")
+        for name, v in (("chunk_size", chunk_size), ("head_size", head_size)):
+            if not isinstance(v, int) or v < 1:
+                raise LayoutError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(num_layers, int) or num_layers < 0:
+            raise LayoutError(f"num_layers must be a non-negative integer, got {num_layers!r}")
+        config: dict[str, Any] = {
+            "schema": SCHEMA_VERSION,
+            "model": model,
+            "kv_dtype": str(kv_dtype),
+            "model_dtype": str(model_dtype),
+            "chunk_size": chunk_size,
+            "head_size": head_size,
+            "num_layers": num_layers,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "pcp": layout.pcp,
+            "dcp": layout.dcp,
+            "groups": [str(g) for g in layout.groups],
+            "hash_algo": hash_algo,
+            "hash_seed": str(hash_seed),
+            "extra": {k: extra[k] for k in sorted(extra)} if extra else {},
+        }
+        blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+        return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config)
+
+    @property
+    def prefix(self) -> str:
+        """Every key of this space starts with this string."""
+        return f"{_ROOT}/{SCHEMA_VERSION}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
+
+    def key(self, content: ContentId, chunk_hash: bytes | str) -> str:
+        """The key of ``content``'s object for the chunk whose hash is ``chunk_hash``."""
+        return str(ParsedKey(self.model, self.fingerprint, content, _hash_hex(chunk_hash)))
+
+
+class _ParallelConfig(Protocol):
+    data_parallel_index: int
+
+
+def dp_index_of(parallel_config: _ParallelConfig | Any) -> int:
+    """The engine's DP identity: vLLM's global ``data_parallel_index``.
+
+    Not ``data_parallel_rank_local``: launch paths such as headless wide-TP
+    followers never fill it, and it is node-relative (0 on the head node, N on
+    a follower of replica N). Not ``data_parallel_rank``: dense-model DP resets
+    it to 0. ``data_parallel_index`` is filled on every launch path and equal on
+    all nodes of one replica.
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise LayoutError(
+            f"parallel_config.data_parallel_index must be a non-negative integer, got {index!r}; "
+            "kvpool needs vLLM's global DP index to name the engine"
+        )
+    return index
+
+
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def lookup_endpoint(run_dir: str, instance: str, dp_index: int) -> str:
+    """The IPC endpoint of DP engine ``dp_index``'s lookup server.
+
+    Derived from the global DP index alone, so it is distinct for every DP
+    engine on a host and the same on every node of one replica. The host name
+    is not part of it: an IPC socket is local to its host already.
+    """
+    if not _INSTANCE_RE.fullmatch(instance):
+        raise LayoutError(
+            f"instance name {instance!r} must be 1-40 characters of letters, digits, '_', '.', '-'"
+        )
+    if isinstance(dp_index, bool) or not isinstance(dp_index, int) or dp_index < 0:
+        raise LayoutError(f"dp_index must be a non-negative integer, got {dp_index!r}")
+    return f"ipc://{run_dir.rstrip('/')}/kvpool-lookup-{instance}-dp{dp_index}.sock"

@@ -1,0 +1,336 @@
+"""Parallel layout of one engine, and who writes and reads each KV chunk.
+
+This module is the single source of truth for naming KV content across ranks.
+Everything that stores, loads or looks up KV asks it; nothing re-derives it.
+
+    Layout.create(...)        validate and normalise a layout (raises LayoutError
+                              with the field to change)
+    Layout.content(r, g)      ContentId of what rank r holds for KV group g
+    Layout.replica_set(c)     ranks holding byte-identical content c (sorted)
+    Layout.writer(g, k, c)    the one rank that writes chunk k of content c
+    Layout.writes(r, g, k)    does rank r write chunk k of group g?
+    Layout.contents(g)        every distinct content of group g: the namespaces
+                              a lookup must probe, and exactly the ones read
+
+Rules (``ContentId`` = (head_slot, dcp_rank, pcp_rank, pp_rank, group)):
+
+* head_slot is ``tp_rank`` for gqa/mha when kv_heads >= tp, ``tp_rank //
+  (tp // kv_heads)`` when kv_heads < tp, ``0`` for mla (one latent replicated on
+  every TP rank) and ``tp_rank`` for mamba (state sharded by TP, never shared).
+* Ranks with equal ContentId hold identical bytes and form a replica set.
+* Writes are striped inside a replica set: chunk k of group g is written by
+  member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
+  only on the absolute chunk index, so delta saves agree with earlier ones.
+* Every rank reads the content of its own ContentId. Since every ContentId has
+  at least one member, the keys read are exactly the keys written.
+
+Default rank coordinates follow vLLM's group construction: TP fastest, then
+PCP, then PP (``rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)``) and
+``dcp_rank = tp_rank % dcp`` (DCP groups are runs of consecutive TP ranks).
+An engine may pass the coordinates it reads from its real groups instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvpool.errors import LayoutError
+
+__all__ = [
+    "ContentId",
+    "GroupKind",
+    "GroupSpec",
+    "Layout",
+    "RankCoords",
+]
+
+
+class GroupKind(enum.StrEnum):
+    """How a KV-cache group's bytes are spread over TP ranks."""
+
+    MHA = "mha"  # one KV head per attention head; kv_heads = attention heads
+    GQA = "gqa"  # kv_heads shared by groups of attention heads
+    MLA = "mla"  # one compressed latent, replicated on every TP rank
+    MAMBA = "mamba"  # recurrent state sharded by TP, never replicated
+
+
+_HEADED = (GroupKind.MHA, GroupKind.GQA)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group of the model.
+
+    ``kv_heads`` is the model's total number of KV heads (all TP ranks together)
+    for mha/gqa, and 0 for mla and mamba, where it has no meaning.
+    """
+
+    kind: GroupKind
+    kv_heads: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> GroupSpec:
+        """Parse ``mla``, ``mamba``, ``gqa:8`` or ``mha:32``."""
+        name, _, heads = text.strip().lower().partition(":")
+        try:
+            kind = GroupKind(name)
+        except ValueError:
+            kinds = ", ".join(k.value for k in GroupKind)
+            raise LayoutError(
+                f"unknown KV group kind {name!r} in {text!r}; use one of {kinds}"
+            ) from None
+        if kind in _HEADED:
+            if not heads:
+                raise LayoutError(f"{kind.value} needs its total KV heads, e.g. '{kind.value}:8'")
+            try:
+                n = int(heads)
+            except ValueError:
+                raise LayoutError(
+                    f"KV heads in {text!r} must be an integer, e.g. 'gqa:8'"
+                ) from None
+            return cls(kind, n)
+        if heads:
+            raise LayoutError(f"{kind.value} takes no head count; write '{kind.value}'")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.kv_heads}" if self.kind in _HEADED else self.kind.value
+
+    def replication(self, tp: int) -> int:
+        """How many TP ranks hold each distinct slice of this group (1 = none)."""
+        if self.kind is GroupKind.MLA:
+            return tp
+        if self.kind is GroupKind.MAMBA:
+            return 1
+        return max(1, tp // self.kv_heads)
+
+    def head_slot(self, tp: int, tp_rank: int) -> int:
+        """Which slice of this group TP rank ``tp_rank`` holds."""
+        if self.kind is GroupKind.MLA:
+            return 0
+        return tp_rank // self.replication(tp)
+
+
+@dataclass(frozen=True, slots=True)
+class RankCoords:
+    """Coordinates of one worker rank inside one DP engine."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int = 0
+    pcp_rank: int = 0
+    dcp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ContentId:
+    """What a rank holds for a KV group; equal ids mean byte-identical KV."""
+
+    head_slot: int
+    dcp_rank: int
+    pcp_rank: int
+    pp_rank: int
+    group: int
+
+
+def _default_coords(tp: int, pp: int, pcp: int, dcp: int) -> tuple[RankCoords, ...]:
+    out = []
+    for pp_rank in range(pp):
+        for pcp_rank in range(pcp):
+            for tp_rank in range(tp):
+                rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)
+                out.append(RankCoords(rank, tp_rank, pp_rank, pcp_rank, tp_rank % dcp))
+    return tuple(out)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """An engine's parallel layout and its KV-cache groups. Build with ``create``.
+
+    ``dp_index`` is the engine's global data-parallel index
+    (``parallel_config.data_parallel_index``); it names the engine (see
+    ``keys.lookup_endpoint``) but never changes what a rank holds: DP replicas
+    share every key.
+    """
+
+    tp: int
+    pp: int
+    pcp: int
+    dcp: int
+    groups: tuple[GroupSpec, ...]
+    coords: tuple[RankCoords, ...]
+    dp_index: int = 0
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        pcp: int = 1,
+        dcp: int = 1,
+        groups: Sequence[GroupSpec | str] = ("mla",),
+        dp_index: int = 0,
+        coords: Iterable[RankCoords] | None = None,
+    ) -> Layout:
+        """Validate and normalise; raise ``LayoutError`` saying what to change."""
+        tp, pp, pcp, dcp = (
+            _positive(n, v) for n, v in (("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp))
+        )
+        if isinstance(dp_index, bool) or not isinstance(dp_index, int) or dp_index < 0:
+            raise LayoutError(f"dp_index must be a non-negative integer, got {dp_index!r}")
+        if tp % dcp:
+            raise LayoutError(f"dcp={dcp} must divide tp={tp}; pick dcp among the divisors of tp")
+        specs = tuple(g if isinstance(g, GroupSpec) else GroupSpec.parse(g) for g in groups)
+        if not specs:
+            raise LayoutError("a layout needs at least one KV group, e.g. 'gqa:8' or 'mla'")
+        for i, g in enumerate(specs):
+            _check_group(i, g, tp, dcp)
+        given = tuple(coords) if coords is not None else _default_coords(tp, pp, pcp, dcp)
+        layout = cls(tp, pp, pcp, dcp, specs, tuple(sorted(given, key=lambda c: c.rank)), dp_index)
+        layout._check_coords()
+        return layout
+
+    # -- shape -------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks in one DP engine (tp * pcp * pp)."""
+        return self.tp * self.pcp * self.pp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.world_size)
+
+    def coord(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        return self.coords[rank]
+
+    # -- content identity ----------------------------------------------------
+
+    def content(self, rank: int, group: int) -> ContentId:
+        """ContentId of rank ``rank`` for group ``group``; also the one it reads."""
+        c = self.coord(rank)
+        spec = self._group(group)
+        return ContentId(
+            spec.head_slot(self.tp, c.tp_rank), c.dcp_rank, c.pcp_rank, c.pp_rank, group
+        )
+
+    def replica_set(self, content: ContentId) -> tuple[int, ...]:
+        """Sorted ranks whose content is ``content`` (empty if none holds it)."""
+        return self._replica_table.get(content, ())
+
+    def contents(self, group: int) -> tuple[ContentId, ...]:
+        """Every distinct content of ``group``, sorted: exactly the namespaces read."""
+        self._group(group)
+        return tuple(c for c in self._replica_table if c.group == group)
+
+    # -- write plan ------------------------------------------------------------
+
+    def writer(self, content: ContentId, chunk: int) -> int:
+        """The one rank that writes chunk ``chunk`` (absolute index) of ``content``."""
+        members = self.replica_set(content)
+        if not members:
+            raise LayoutError(f"no rank of this layout holds {content}")
+        if chunk < 0:
+            raise LayoutError(f"chunk index must be >= 0, got {chunk}")
+        return members[(chunk + content.group) % len(members)]
+
+    def writes(self, rank: int, group: int, chunk: int) -> bool:
+        """Does ``rank`` write chunk ``chunk`` of ``group``?"""
+        return self.writer(self.content(rank, group), chunk) == rank
+
+    def chunks_written(self, rank: int, group: int, chunks: Iterable[int]) -> list[int]:
+        """The chunks among ``chunks`` that ``rank`` writes for ``group``, in order."""
+        content = self.content(rank, group)
+        members = self.replica_set(content)
+        f = len(members)
+        phase = members.index(rank) - group
+        return [k for k in chunks if (k - phase) % f == 0]
+
+    # -- internals -----------------------------------------------------------
+
+    def _group(self, group: int) -> GroupSpec:
+        if not 0 <= group < len(self.groups):
+            raise LayoutError(f"group {group} is outside 0..{len(self.groups) - 1}")
+        return self.groups[group]
+
+    @cached_property
+    def _replica_table(self) -> dict[ContentId, tuple[int, ...]]:
+        table: dict[ContentId, list[int]] = {}
+        for g in range(len(self.groups)):
+            for r in self.ranks:
+                table.setdefault(self.content(r, g), []).append(r)
+        return {c: tuple(sorted(rs)) for c, rs in sorted(table.items())}
+
+    def _check_coords(self) -> None:
+        n = self.world_size
+        if [c.rank for c in self.coords] != list(range(n)):
+            raise LayoutError(
+                f"coordinates must list ranks 0..{n - 1} once each "
+                f"(tp*pcp*pp = {self.tp}*{self.pcp}*{self.pp}), got "
+                f"{[c.rank for c in self.coords]}"
+            )
+        seen = set()
+        for c in self.coords:
+            for name, v, size in (
+                ("tp_rank", c.tp_rank, self.tp),
+                ("pp_rank", c.pp_rank, self.pp),
+                ("pcp_rank", c.pcp_rank, self.pcp),
+                ("dcp_rank", c.dcp_rank, self.dcp),
+            ):
+                if not 0 <= v < size:
+                    raise LayoutError(f"rank {c.rank}: {name}={v} is outside 0..{size - 1}")
+            place = (c.tp_rank, c.pcp_rank, c.pp_rank)
+            if place in seen:
+                raise LayoutError(f"rank {c.rank} repeats (tp, pcp, pp) ranks {place}")
+            seen.add(place)
+        # Every slice of every group must have all its DCP token shards present,
+        # else some KV would have no holder (coordinates inconsistent with dcp).
+        for g, spec in enumerate(self.groups):
+            if spec.kind is GroupKind.MAMBA:
+                continue  # state is per rank, not split into token shards
+            shards: dict[tuple[int, int, int], set[int]] = {}
+            for c in self.coords:
+                slot = spec.head_slot(self.tp, c.tp_rank)
+                shards.setdefault((slot, c.pcp_rank, c.pp_rank), set()).add(c.dcp_rank)
+            for (slot, pcp_rank, pp_rank), ds in shards.items():
+                if ds != set(range(self.dcp)):
+                    raise LayoutError(
+                        f"group {g} ({spec}): head slot {slot} at pcp_rank {pcp_rank}, "
+                        f"pp_rank {pp_rank} has dcp ranks {sorted(ds)}, not 0..{self.dcp - 1}; "
+                        "DCP groups must be made of TP ranks that hold the same KV heads"
+                    )
+
+
+def _check_group(index: int, g: GroupSpec, tp: int, dcp: int) -> None:
+    where = f"group {index} ({g})"
+    if g.kind in _HEADED:
+        h = g.kv_heads
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise LayoutError(f"{where}: kv_heads must be a positive integer, got {h!r}")
+        if h % tp and tp % h:
+            raise LayoutError(
+                f"{where}: kv_heads={h} and tp={tp} must divide one another; "
+                f"choose tp among the divisors or multiples of {h}"
+            )
+    elif g.kv_heads:
+        raise LayoutError(f"{where}: {g.kind.value} takes no kv_heads; pass 0")
+    if g.kind is GroupKind.MAMBA:
+        return
+    r = g.replication(tp)
+    if r % dcp:
+        raise LayoutError(
+            f"{where}: dcp={dcp} must divide the {r} TP rank(s) that share each KV head "
+            f"at tp={tp} (vLLM refuses this layout too); lower dcp or raise tp"
+        )

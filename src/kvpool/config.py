@@ -1,0 +1,185 @@
+"""One validated ``PoolConfig``: where the pool is and how to talk to it.
+
+    PoolConfig                 frozen, validated settings of a pool client
+    load_config(extra, env)    build it from (lowest to highest precedence):
+                               defaults < the pool file < ``extra`` (vLLM's
+                               kv_connector_extra_config, or CLI options) <
+                               environment overrides (KVPOOL_*)
+    pool_file_path(env)        where ``kvpool up`` writes the pool file and
+                               everything else looks for it by default
+    read_pool_file(path)       parse a pool file (ConfigError if malformed)
+
+Pure: reads only the file it is pointed at; no sockets, no Mooncake.
+A bad value raises ``ConfigError`` naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import ConfigError
+
+__all__ = [
+    "ENV_PREFIX",
+    "PoolConfig",
+    "load_config",
+    "parse_size",
+    "pool_file_path",
+    "read_pool_file",
+]
+
+ENV_PREFIX = "KVPOOL_"
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str, name: str = "size") -> int:
+    """Bytes from an int or a string like ``512MB``, ``4 GiB``, ``65536``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a byte size like 512MB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name} must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.fullmatch(str(value))
+    if not m:
+        raise ConfigError(f"{name} must be a byte size like 512MB or 1GiB, got {value!r}")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Settings of one pool client (an engine worker, the lookup server or the CLI).
+
+    Sizes are in bytes. ``holder_address`` is the standalone holder
+    (``mooncake_client``) of a local pool; when set and on this host, clients
+    may use Mooncake's shared-memory path to it.
+    """
+
+    master_address: str = ""  # host:port of mooncake_master
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"  # tcp or rdma
+    device_name: str = ""  # RDMA devices, "" for tcp
+    local_hostname: str = "127.0.0.1"
+    global_segment_size: int = 0  # memory this client contributes; 0 = pure client
+    local_buffer_size: int = 64 << 20
+    holder_address: str = ""  # host:port of the standalone holder, if known
+    metrics_url: str = ""  # http://host:port of the master's metrics server
+    checksum: bool = True  # xxh3 over payloads (written and verified)
+    setup_timeout_s: float = 10.0  # bound on connecting to the master
+    transfer_timeout_s: float = 5.0  # bound on one blocked transfer
+    pool_file: str = ""  # the pool file these values came from, if any
+
+    def __post_init__(self) -> None:
+        if self.master_address and not _is_host_port(self.master_address):
+            raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
+        if self.holder_address and not _is_host_port(self.holder_address):
+            raise ConfigError(f"holder_address must be host:port, got {self.holder_address!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
+        for name in ("setup_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def require_master(self) -> str:
+        """The master address, or a ConfigError saying how to get a pool."""
+        if not self.master_address:
+            raise ConfigError(
+                "no kvpool pool is configured and no pool file was found; "
+                "start one with `kvpool up`, or set master_address in "
+                "kv_connector_extra_config (or KVPOOL_MASTER_ADDRESS)"
+            )
+        return self.master_address
+
+
+_FIELDS = {f.name: f for f in fields(PoolConfig)}
+_SIZES = {"global_segment_size", "local_buffer_size"}
+
+
+def _is_host_port(s: str) -> bool:
+    host, sep, port = s.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name in _SIZES:
+        return parse_size(value, name)
+    kind = _FIELDS[name].type
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if kind == "float":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
+def pool_file_path(env: Mapping[str, str] | None = None) -> Path:
+    """``$KVPOOL_POOL_FILE``, else ``$KVPOOL_HOME/pool.json``, else ``~/.kvpool/pool.json``."""
+    env = os.environ if env is None else env
+    if env.get("KVPOOL_POOL_FILE"):
+        return Path(env["KVPOOL_POOL_FILE"])
+    home = env.get("KVPOOL_HOME") or str(Path.home() / ".kvpool")
+    return Path(home) / "pool.json"
+
+
+def read_pool_file(path: str | Path) -> dict[str, Any]:
+    """The JSON object in a pool file; ConfigError if unreadable or malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read pool file {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"pool file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"pool file {path} must hold a JSON object")
+    return data
+
+
+def load_config(
+    extra: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> PoolConfig:
+    """Defaults < pool file < ``extra`` < ``KVPOOL_<FIELD>`` environment overrides.
+
+    The pool file is ``extra["pool_file"]`` if given, else ``pool_file_path(env)``
+    when it exists. Unknown keys in ``extra`` are refused (typos would be silent).
+    Keys of ``extra`` that belong to other layers are passed in ``ignore``-free:
+    callers strip their own keys first.
+    """
+    env = os.environ if env is None else env
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"unknown pool setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}"
+        )
+    values: dict[str, Any] = {}
+    path = extra.get("pool_file") or env.get("KVPOOL_POOL_FILE") or ""
+    file = Path(path) if path else pool_file_path(env)
+    if path or file.exists():
+        data = read_pool_file(file)
+        values.update({k: v for k, v in data.items() if k in _FIELDS})
+        values["pool_file"] = str(file)
+    values.update(extra)
+    for name in _FIELDS:
+        if (ENV_PREFIX + name.upper()) in env:
+            values[name] = env[ENV_PREFIX + name.upper()]
+    return PoolConfig(**{k: _coerce(k, v) for k, v in values.items()})

@@ -1,0 +1,97 @@
+"""`kvpool plan`: the table, the --json contract, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_json_has_exactly_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(
+        capsys, "plan", "--tp", "8", "--dcp", "2", "--group", "mla", "--chunks", "16", "--json"
+    )
+    assert (rc, err) == (0, "")
+    data = json.loads(out)
+    assert set(data) == {"layout", "ranks", "puts", "gets", "lookup_keys"}
+    assert data["layout"]["tp"] == 8 and data["layout"]["groups"] == ["mla"]
+    assert len(data["ranks"]) == 8
+    assert set(data["ranks"][1]) == {"rank", "tp_rank", "pp_rank", "pcp_rank", "dcp_rank"}
+    assert data["ranks"][1]["dcp_rank"] == 1
+    assert len(data["puts"]) == 2 * 16  # two objects per chunk
+    assert set(data["puts"][0]) == {"rank", "group", "chunk", "key"}
+    assert len(data["gets"]) == 8 * 16
+    assert set(data["lookup_keys"][0]) == {"group", "chunk", "key"}
+    puts = {p["key"] for p in data["puts"]}
+    assert {g["key"] for g in data["gets"]} == puts == {k["key"] for k in data["lookup_keys"]}
+
+
+def test_plan_hybrid_groups_and_kv_heads_shorthand(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(
+        capsys,
+        "plan",
+        "--tp",
+        "4",
+        "--group",
+        "gqa:8",
+        "--group",
+        "mla",
+        "--group",
+        "mamba",
+        "--chunks",
+        "2",
+        "--json",
+    )
+    assert rc == 0
+    assert json.loads(out)["layout"]["groups"] == ["gqa:8", "mla", "mamba"]
+    rc, out, _ = run(capsys, "plan", "--tp", "4", "--kv-heads", "1", "--chunks", "4", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["layout"]["groups"] == ["gqa:1"] and len(data["puts"]) == 4
+
+
+def test_plan_table_shows_totals_against_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "plan", "--tp", "8", "--dcp", "2", "--group", "mla")
+    assert rc == 0
+    assert "write amplification" in out and "4.00x" in out and "1.00x" in out
+    assert "h0.d1.c0.p0" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["plan", "--tp", "4", "--dcp", "3", "--group", "mla"], "dcp=3 must divide tp=4"),
+        (["plan", "--tp", "4"], "give the model's KV groups"),
+        (["plan", "--tp", "x", "--group", "mla"], "--tp"),
+        (["plan", "--group", "lstm"], "unknown KV group kind"),
+        (["plan", "--tp", "4", "--group", "gqa:8", "--dcp", "2"], "lower dcp or raise tp"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    rc, out, err = run(capsys, *args)
+    assert rc != 0 and out == ""
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_console_script_is_installed() -> None:
+    exe = Path(sys.executable).with_name("kvpool")
+    out = subprocess.run(
+        [str(exe), "plan", "--tp", "2", "--kv-heads", "2", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout)["layout"]["tp"] == 2

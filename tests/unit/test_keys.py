@@ -1,0 +1,104 @@
+"""Key schema: exact round trips, canonical form, and fingerprint sensitivity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.errors import KeyFormatError
+from kvpool.keys import SCHEMA_VERSION, KeySpace, ParsedKey, parse_key
+from kvpool.layout import ContentId, Layout
+
+LAYOUT = Layout.create(tp=2, groups=["gqa:2"])
+
+
+def make_space(model: str = "meta-llama/Llama-3.1-8B", **kw: object) -> KeySpace:
+    args: dict[str, object] = dict(
+        model=model,
+        layout=LAYOUT,
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=32,
+        head_size=128,
+        num_layers=32,
+    )
+    args.update(kw)
+    return KeySpace.create(**args)  # type: ignore[arg-type]
+
+
+contents = st.builds(ContentId, *(st.integers(0, 10_000) for _ in range(5)))
+
+
+@settings(max_examples=300)
+@given(st.text(min_size=1), contents, st.binary(min_size=1, max_size=64))
+def test_format_parse_round_trip(model: str, content: ContentId, h: bytes) -> None:
+    space = make_space(model)
+    key = space.key(content, h)
+    parsed = parse_key(key)
+    assert parsed == ParsedKey(model, space.fingerprint, content, h.hex(), SCHEMA_VERSION)
+    assert str(parsed) == key
+    assert key.startswith(space.prefix)
+
+
+def test_key_is_human_readable() -> None:
+    space = make_space()
+    key = space.key(ContentId(1, 0, 0, 2, 0), bytes.fromhex("ab01"))
+    assert key == f"kvpool/1/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.p2/ab01"
+
+
+def test_full_model_name_not_last_component() -> None:
+    c = ContentId(0, 0, 0, 0, 0)
+    assert make_space("org-a/llama").key(c, b"x") != make_space("org-b/llama").key(c, b"x")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kv_dtype": "fp8"},
+        {"model_dtype": "float32"},
+        {"chunk_size": 64},
+        {"head_size": 64},
+        {"num_layers": 31},
+        {"hash_algo": "sha256_cbor"},
+        {"hash_seed": "42"},
+        {"extra": {"revision": "abc"}},
+        {"layout": Layout.create(tp=1, groups=["gqa:2"])},
+        {"layout": Layout.create(tp=2, groups=["gqa:4"])},
+        {"layout": Layout.create(tp=2, pp=2, groups=["gqa:2"])},
+    ],
+)
+def test_every_byte_changing_field_changes_the_fingerprint(change: dict[str, Any]) -> None:
+    assert make_space(**change).fingerprint != make_space().fingerprint
+
+
+def test_dp_index_does_not_change_the_fingerprint() -> None:
+    other = Layout.create(tp=2, groups=["gqa:2"], dp_index=3)
+    assert make_space(layout=other).fingerprint == make_space().fingerprint
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "vllm@tp_rank:0@abc",
+        "kvpool/1/m/0123/g0.h0.d0.c0.p0/ab",
+        "kvpool/x/m/0123456789abcdef/g0.h0.d0.c0.p0/ab",
+        "kvpool/1/m/0123456789abcdef/g0.h0.d0.c0/ab",
+        "kvpool/1/m/0123456789abcdef/g0.h0.d0.c0.p0/XY",
+        "kvpool/1/m/0123456789abcdef/g00.h0.d0.c0.p0/ab",
+        "kvpool/1//0123456789abcdef/g0.h0.d0.c0.p0/ab",
+    ],
+)
+def test_parse_refuses_non_keys(bad: str) -> None:
+    with pytest.raises(KeyFormatError):
+        parse_key(bad)
+
+
+def test_hash_must_be_hex_or_bytes() -> None:
+    with pytest.raises(KeyFormatError):
+        make_space().key(ContentId(0, 0, 0, 0, 0), "not-hex")
+    with pytest.raises(KeyFormatError):
+        make_space().key(ContentId(0, 0, 0, 0, 0), b"")

@@ -1,0 +1,177 @@
+"""Worked layouts from the issue and the seeds, and refusals of invalid ones."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvpool.errors import LayoutError
+from kvpool.keys import KeySpace, dp_index_of, lookup_endpoint
+from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
+from kvpool.plan import build_plan, reference_totals
+
+
+def space(layout: Layout) -> KeySpace:
+    return KeySpace.create(
+        model="org/m",
+        layout=layout,
+        kv_dtype="bf16",
+        model_dtype="bf16",
+        chunk_size=32,
+        head_size=64,
+        num_layers=2,
+    )
+
+
+def objects_per_chunk(layout: Layout, chunks: int = 8) -> int:
+    plan = build_plan(layout, space(layout), chunks)
+    assert len(plan.puts) % chunks == 0
+    return len(plan.puts) // chunks
+
+
+@pytest.mark.parametrize("group", ["gqa:1", "mla"])
+def test_tp4_single_kv_head_one_object_per_chunk_each_rank_writes_a_quarter(group: str) -> None:
+    layout = Layout.create(tp=4, groups=[group])
+    assert objects_per_chunk(layout) == 1
+    for r in layout.ranks:
+        assert layout.chunks_written(r, 0, range(16)) == [k for k in range(16) if k % 4 == r]
+
+
+def test_tp4_dcp4_mla_four_objects_each_rank_writes_its_own() -> None:
+    layout = Layout.create(tp=4, dcp=4, groups=["mla"])
+    assert objects_per_chunk(layout) == 4
+    for r in layout.ranks:
+        assert layout.replica_set(layout.content(r, 0)) == (r,)
+        assert layout.chunks_written(r, 0, range(8)) == list(range(8))
+
+
+def test_tp8_dcp2_mla_two_objects_striped_four_ways() -> None:
+    layout = Layout.create(tp=8, dcp=2, groups=["mla"])
+    assert objects_per_chunk(layout) == 2
+    assert [layout.replica_set(c) for c in layout.contents(0)] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    for r in layout.ranks:
+        assert len(layout.chunks_written(r, 0, range(16))) == 4
+    ref = reference_totals(layout)
+    assert (ref.objects_per_chunk, ref.write_amplification) == (8, 4.0)
+
+
+def test_mamba_is_never_deduplicated() -> None:
+    layout = Layout.create(tp=4, groups=["gqa:1", "mla", "mamba"])
+    assert [len(layout.replica_set(layout.content(0, g))) for g in range(3)] == [4, 4, 1]
+    assert objects_per_chunk(layout) == 1 + 1 + 4
+
+
+def test_groups_rotate_their_writer_phase() -> None:
+    layout = Layout.create(tp=4, groups=["mla", "mla"])
+    assert layout.writer(layout.content(0, 0), 0) == 0
+    assert layout.writer(layout.content(0, 1), 0) == 1
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_seed000_put_striding_covers_every_get_namespace(dcp: int) -> None:
+    """Seed 000: TP=4, one KV head, DCP in {1, 4}: every key any rank GETs was PUT."""
+    for group in ("gqa:1", "mla"):
+        layout = Layout.create(tp=4, dcp=dcp, groups=[group])
+        plan = build_plan(layout, space(layout), 12)
+        put = {p.key for p in plan.puts}
+        assert {g.key for g in plan.gets} <= put
+        assert len(put) == len(plan.puts)  # and nothing is written twice
+
+
+def test_seed001_dp_endpoint_when_rank_local_is_unset() -> None:
+    """Seed 001: a headless wide-TP follower has no data_parallel_rank_local."""
+    follower = SimpleNamespace(
+        data_parallel_index=3, data_parallel_rank_local=None, data_parallel_rank=0
+    )
+    assert lookup_endpoint("/run", "m", dp_index_of(follower)).endswith("-dp3.sock")
+
+
+def test_seed001_dp_endpoint_same_on_head_and_follower_of_replica_n() -> None:
+    """A replica launched with --data-parallel-rank 2: the head node sees rank_local 0,
+    a follower sees none; both must name the same engine."""
+    head = SimpleNamespace(data_parallel_index=2, data_parallel_rank_local=0, data_parallel_rank=2)
+    follower = SimpleNamespace(
+        data_parallel_index=2, data_parallel_rank_local=None, data_parallel_rank=0
+    )
+    assert lookup_endpoint("/run", "m", dp_index_of(head)) == lookup_endpoint(
+        "/run", "m", dp_index_of(follower)
+    )
+    assert lookup_endpoint("/run", "m", 0) != lookup_endpoint("/run", "m", 1)
+
+
+def test_dp_index_missing_is_a_clear_error() -> None:
+    with pytest.raises(LayoutError, match="data_parallel_index"):
+        dp_index_of(SimpleNamespace(data_parallel_rank_local=0))
+
+
+def test_dp_replicas_share_keys() -> None:
+    a, b = (Layout.create(tp=2, groups=["gqa:2"], dp_index=i) for i in (0, 5))
+    assert build_plan(a, space(a), 4).puts == build_plan(b, space(b), 4).puts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tp": 4, "dcp": 3}, "dcp=3 must divide tp=4"),
+        ({"tp": 4, "dcp": 2, "groups": ["gqa:8"]}, "lower dcp or raise tp"),
+        ({"tp": 4, "dcp": 4, "groups": ["gqa:2"]}, "dcp=4 must divide the 2"),
+        ({"tp": 4, "groups": ["gqa:6"]}, "kv_heads=6 and tp=4 must divide one another"),
+        ({"tp": 0}, "tp must be a positive integer"),
+        ({"groups": []}, "at least one KV group"),
+        ({"groups": ["lstm"]}, "unknown KV group kind 'lstm'"),
+        ({"groups": ["gqa"]}, "needs its total KV heads"),
+        ({"groups": ["mla:4"]}, "takes no head count"),
+        ({"dp_index": -1}, "dp_index must be a non-negative integer"),
+    ],
+)
+def test_invalid_layouts_say_what_to_change(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(")):
+        Layout.create(**kwargs)  # type: ignore[arg-type]
+
+
+def test_default_coordinates_follow_vllm_group_order() -> None:
+    layout = Layout.create(tp=2, pcp=2, pp=2, dcp=2, groups=["mla"])
+    c = layout.coord(5)  # rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)
+    assert (c.tp_rank, c.pcp_rank, c.pp_rank, c.dcp_rank) == (1, 0, 1, 1)
+
+
+def test_engine_given_coordinates_are_used() -> None:
+    # An engine whose DCP ranks run the other way round inside each DCP group.
+    coords = [RankCoords(r, r, 0, 0, 1 - r % 2) for r in range(4)]
+    layout = Layout.create(tp=4, dcp=2, groups=["mla"], coords=coords)
+    assert layout.content(0, 0).dcp_rank == 1
+    plan = build_plan(layout, space(layout), 4)
+    assert {g.key for g in plan.gets} <= {p.key for p in plan.puts}
+
+
+@pytest.mark.parametrize(
+    ("coords", "message"),
+    [
+        ([RankCoords(0, 0), RankCoords(0, 1)], "ranks 0..1 once each"),
+        ([RankCoords(0, 0), RankCoords(1, 0)], r"repeats \(tp, pcp, pp\)"),
+        ([RankCoords(0, 0), RankCoords(1, 2)], "tp_rank=2 is outside"),
+    ],
+)
+def test_bad_engine_coordinates_are_refused(coords: list[RankCoords], message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        Layout.create(tp=2, groups=["mla"], coords=coords)
+
+
+def test_coordinates_that_leave_a_token_shard_without_holder_are_refused() -> None:
+    # TP=4, GQA 2 heads, DCP=2: ranks 0,1 share head 0; giving both dcp_rank 0
+    # leaves head 0's second token shard with no holder.
+    coords = [
+        RankCoords(0, 0, dcp_rank=0),
+        RankCoords(1, 1, dcp_rank=0),
+        RankCoords(2, 2, dcp_rank=0),
+        RankCoords(3, 3, dcp_rank=1),
+    ]
+    with pytest.raises(LayoutError, match="DCP groups must be made of TP ranks"):
+        Layout.create(tp=4, dcp=2, groups=["gqa:2"], coords=coords)
+
+
+def test_group_spec_parse_and_format_round_trip() -> None:
+    for text in ("mla", "mamba", "gqa:8", "mha:32"):
+        assert str(GroupSpec.parse(text)) == text
+    assert GroupSpec.parse(" GQA:4 ") == GroupSpec(GroupKind.GQA, 4)

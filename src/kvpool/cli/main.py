@@ -112,3 +112,11 @@ def run(argv: list[str] | None = None) -> int:
         print(f"kvpool: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     return 0
+
+
+# Pool commands live in their own module, which imports this one's console lazily.
+from kvpool.cli.pool_cmd import down, status, up  # noqa: E402
+
+cli.add_command(up)
+cli.add_command(down)
+cli.add_command(status)

@@ -1,0 +1,329 @@
+"""``kvpool up``, ``down`` and ``status``: a local pool run from the pool file.
+
+    up       start master + holder in their own session (they outlive the command),
+             write the pool file, print where the pool is and the vLLM flag to use;
+             exits 1 if a live pool already has the pool file (a stale one is replaced)
+    down     stop the processes the pool file names (only while they are verifiably
+             those mooncake processes) and remove the file; exits 1 without a pool
+    status   processes, keys, bytes used / capacity, clients, segments and keys per
+             kvpool namespace; exits 1 if the master does not answer
+
+The pool file is ``kvpool.config.pool_file_path()`` (``$KVPOOL_POOL_FILE``, else
+``$KVPOOL_HOME/pool.json``, else ``~/.kvpool/pool.json``); logs sit beside it.
+Table builders return rich renderables and print nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console, Group
+from rich.table import Table
+
+from kvpool.config import parse_size, pool_file_path
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.pool import (
+    LocalPool,
+    NamespaceSummary,
+    PoolStatus,
+    pool_status,
+)
+
+
+def _console() -> Console:
+    from kvpool.cli.main import console  # at call time: main imports this module
+
+    return console
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def format_bytes(n: int | None) -> str:
+    """``1.0 GiB``-style sizes; ``?`` when unknown."""
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def kv_transfer_config(pool_file: str | Path) -> str:
+    """The ``--kv-transfer-config`` JSON that points vLLM at this pool file."""
+    return json.dumps(
+        {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"pool_file": str(pool_file)},
+        },
+        separators=(",", ":"),
+    )
+
+
+def _process_label(pool: LocalPool | PoolStatus, role: str) -> str:
+    procs = pool.processes() if isinstance(pool, LocalPool) else pool.processes
+    for r, pid, running in procs:
+        if r == role:
+            return f"pid {pid}" + ("" if running else ", not running")
+    return "not ours" if role == "master" else "none"
+
+
+def up_summary(pool: LocalPool, pool_file: Path) -> Table:
+    """Where a freshly started pool is: addresses, PIDs, files."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("master", f"{pool.master_address}  ({_process_label(pool, 'master')})")
+    t.add_row(
+        "holder",
+        f"{pool.holder_address}  ({_process_label(pool, 'holder')}, "
+        f"{format_bytes(pool.segment_size)})",
+    )
+    t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
+    t.add_row("pool file", str(pool_file))
+    t.add_row("logs", f"{pool.home / 'master.log'}, {pool.home / 'holder.log'}")
+    return t
+
+
+def status_table(status: PoolStatus, pool_file: Path) -> Table:
+    """One pool's processes and the master's gauges."""
+    t = Table(title="kvpool pool", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("pool file", str(pool_file))
+    t.add_row("master", f"{status.master_address}  ({_process_label(status, 'master')})")
+    if status.holder_address:
+        t.add_row("holder", f"{status.holder_address}  ({_process_label(status, 'holder')})")
+    if not status.reachable:
+        t.add_row("state", f"[red]master not answering[/red]: {status.error.splitlines()[0]}")
+        return t
+    t.add_row("keys", "?" if status.keys is None else str(status.keys))
+    used, cap = status.used_bytes, status.capacity_bytes
+    share = f" ({100 * used / cap:.1f}%)" if used is not None and cap else ""
+    t.add_row("memory", f"{format_bytes(used)} used of {format_bytes(cap)}{share}")
+    t.add_row("clients", "?" if status.clients is None else str(status.clients))
+    segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
+    t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
+    return t
+
+
+def namespace_table(summary: NamespaceSummary) -> Table:
+    """Keys per kvpool namespace and KV group, and a row for keys of other users."""
+    t = Table(title="keys by namespace", title_justify="left")
+    t.add_column("model")
+    t.add_column("fingerprint")
+    t.add_column("group", justify="right")
+    t.add_column("contents", justify="right")
+    t.add_column("keys", justify="right")
+    for row in summary.rows:
+        t.add_row(row.model, row.fingerprint, f"g{row.group}", str(row.contents), str(row.keys))
+    if summary.other or not summary.rows:
+        t.add_row("(other)", "", "", "", str(summary.other))
+    return t
+
+
+def status_view(status: PoolStatus, pool_file: Path) -> Group:
+    """Everything ``kvpool status`` prints."""
+    parts: list[Table] = [status_table(status, pool_file)]
+    ns = status.namespaces
+    if ns is not None and (ns.rows or ns.other):
+        parts.append(namespace_table(ns))
+    return Group(*parts)
+
+
+def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
+    """``kvpool status --json``: the same facts as one JSON object."""
+    ns = status.namespaces
+    return {
+        "pool_file": str(pool_file),
+        "master_address": status.master_address,
+        "holder_address": status.holder_address,
+        "metrics_url": status.metrics_url,
+        "processes": [{"role": r, "pid": p, "running": ok} for r, p, ok in status.processes],
+        "reachable": status.reachable,
+        "error": status.error,
+        "keys": status.keys,
+        "used_bytes": status.used_bytes,
+        "capacity_bytes": status.capacity_bytes,
+        "clients": status.clients,
+        "segments": dict(status.segments),
+        "namespaces": None
+        if ns is None
+        else {
+            "rows": [
+                {
+                    "model": r.model,
+                    "fingerprint": r.fingerprint,
+                    "group": r.group,
+                    "contents": r.contents,
+                    "keys": r.keys,
+                }
+                for r in ns.rows
+            ],
+            "other": ns.other,
+        },
+    }
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        size = parse_size(value, param.name or "size")
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if size <= 0:
+        raise click.BadParameter("must be > 0")
+    return size
+
+
+def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise click.BadParameter(f"must be HOST:PORT, got {value!r}")
+    return value
+
+
+def _live_pool(path: Path) -> LocalPool | None:
+    """The pool the file names if any of its processes still runs; else None."""
+    if not path.exists():
+        return None
+    try:
+        pool = LocalPool.attach(path)
+    except ConfigError:
+        return None
+    return pool if any(running for _, _, running in pool.processes()) else None
+
+
+@click.command()
+@click.option(
+    "--segment-size",
+    default="1GB",
+    show_default=True,
+    callback=_size,
+    help="Memory the holder gives the pool (e.g. 512MB, 4GiB).",
+)
+@click.option(
+    "--client-ttl",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seconds the master keeps a silent client's memory mounted.",
+)
+@click.option(
+    "--lease-ttl-ms",
+    default=10000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Read lease on every object, in ms (remove is refused while it runs).",
+)
+@click.option(
+    "--master",
+    default=None,
+    metavar="HOST:PORT",
+    callback=_host_port,
+    help="Join this existing master: start only a holder.",
+)
+@click.option(
+    "--metrics-url",
+    default="",
+    metavar="URL",
+    help="With --master: its metrics server (http://HOST:PORT), for health and status.",
+)
+def up(
+    segment_size: int, client_ttl: int, lease_ttl_ms: int, master: str | None, metrics_url: str
+) -> None:
+    """Start a local pool (master + holder) in the background."""
+    if metrics_url and master is None:
+        raise click.UsageError("--metrics-url goes with --master")
+    path = pool_file_path()
+    live = _live_pool(path)
+    if live is not None:
+        raise KVPoolError(
+            f"a pool is already running (master {live.master_address}, pool file {path}); "
+            "stop it with `kvpool down`"
+        )
+    if path.exists():
+        click.echo(f"kvpool: replacing stale pool file {path}", err=True)
+    pool = LocalPool.start(
+        path.parent,
+        segment_size=segment_size,
+        client_ttl=client_ttl,
+        lease_ttl_ms=lease_ttl_ms,
+        master_address=master,
+        metrics_url=metrics_url,
+        detach=True,
+    )
+    try:
+        pool.write_pool_file(path)
+    except BaseException:
+        pool.stop()
+        raise
+    console = _console()
+    console.print("[bold green]kvpool pool is up[/bold green]", soft_wrap=True)
+    console.print(up_summary(pool, path))
+    console.print("\nvLLM: add to `vllm serve`:")
+    click.echo(f"  --kv-transfer-config '{kv_transfer_config(path)}'")
+    console.print("Stop it with `kvpool down`.")
+
+
+@click.command()
+def down() -> None:
+    """Stop the pool in the pool file and remove the file."""
+    path = pool_file_path()
+    if not path.exists():
+        raise KVPoolError(f"no pool to stop: {path} does not exist")
+    pool = LocalPool.attach(path)
+    running = [(role, pid) for role, pid, ok in pool.processes() if ok]
+    pool.stop()
+    left = [f"{role} (pid {pid})" for role, pid, ok in pool.processes() if ok]
+    if left:
+        raise KVPoolError(f"could not stop {', '.join(left)}; pool file {path} kept")
+    path.unlink(missing_ok=True)
+    stopped = ", ".join(f"{role} (pid {pid})" for role, pid in running) or "nothing was running"
+    _console().print(
+        f"kvpool pool at {pool.master_address} stopped: {stopped}; removed {path}", soft_wrap=True
+    )
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+def status(as_json: bool) -> None:
+    """Show the pool: processes, keys, memory, clients, segments, namespaces."""
+    path = pool_file_path()
+    if not path.exists():
+        raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
+    pool = LocalPool.attach(path)
+    report = pool_status(pool)
+    if as_json:
+        click.echo(json.dumps(status_json(report, path)))
+    else:
+        _console().print(status_view(report, path))
+    if not report.reachable:
+        reason = report.error.splitlines()[0] if report.error else "no answer"
+        raise KVPoolError(f"the master at {pool.master_address} is not answering: {reason}")
+
+
+__all__ = [
+    "down",
+    "format_bytes",
+    "kv_transfer_config",
+    "namespace_table",
+    "status",
+    "status_json",
+    "status_table",
+    "status_view",
+    "up",
+    "up_summary",
+]

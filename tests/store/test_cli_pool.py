@@ -1,0 +1,178 @@
+"""``kvpool up`` / ``status`` / ``down`` as separate processes, with KVPOOL_HOME in tmp."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool.pool import HOLDER_BINARY, MASTER_BINARY, LocalPool, is_mooncake_process
+
+PoolFactory = Callable[..., LocalPool]  # the conftest fixture's type
+_KVPOOL = "import sys; from kvpool.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+class Home:
+    """A KVPOOL_HOME and a way to run ``kvpool`` in it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pool_file = path / "pool.json"
+        self.env = {k: v for k, v in os.environ.items() if k != "KVPOOL_POOL_FILE"}
+        self.env["KVPOOL_HOME"] = str(path)
+
+    def kvpool(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", _KVPOOL, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def up(self, *args: str) -> subprocess.CompletedProcess[str]:
+        r = self.kvpool("up", "--segment-size", "128MB", "--client-ttl", "2", *args)
+        assert r.returncode == 0, r.stderr
+        return r
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Home]:
+    """A fresh KVPOOL_HOME; whatever pool its file names is stopped at the end."""
+    h = Home(tmp_path / "kvpool-home")
+    try:
+        yield h
+    finally:
+        if h.pool_file.exists():
+            LocalPool.attach(h.pool_file).stop()
+
+
+def _running(pool_file: Path) -> list[tuple[str, int, bool]]:
+    return list(LocalPool.attach(pool_file).processes())
+
+
+def test_up_status_down(home: Home) -> None:
+    r = home.up()
+    assert "kvpool pool is up" in r.stdout
+    flag = next(ln for ln in r.stdout.splitlines() if "--kv-transfer-config" in ln)
+    config = json.loads(flag.split("'")[1])
+    assert config["kv_connector"] == "KVPoolConnector"
+    assert config["kv_connector_module_path"] == "kvpool.vllm"
+    assert config["kv_connector_extra_config"] == {"pool_file": str(home.pool_file)}
+
+    data = json.loads(home.pool_file.read_text())
+    assert data["master_address"].startswith("127.0.0.1:")
+    assert data["segment_size"] == 128 << 20
+    assert [ok for _, _, ok in _running(home.pool_file)] == [True, True]
+    assert data["master_address"] in r.stdout and data["holder_address"] in r.stdout
+
+    s = home.kvpool("status")
+    assert s.returncode == 0, s.stderr
+    assert data["master_address"] in s.stdout and "128.0 MiB" in s.stdout
+    js = json.loads(home.kvpool("status", "--json").stdout)
+    assert js["reachable"] and js["capacity_bytes"] == 128 << 20 and len(js["segments"]) == 1
+
+    d = home.kvpool("down")
+    assert d.returncode == 0, d.stderr
+    assert "stopped" in d.stdout
+    assert not home.pool_file.exists()
+    port = data["master_address"].rsplit(":", 1)[1]
+    assert not is_mooncake_process(data["master_pid"], MASTER_BINARY, f"--rpc_port={port}")
+    hport = data["holder_address"].rsplit(":", 1)[1]
+    assert not is_mooncake_process(data["holder_pid"], HOLDER_BINARY, f"--port={hport}")
+
+
+def test_up_twice_is_refused(home: Home) -> None:
+    home.up()
+    before = home.pool_file.read_text()
+    r = home.kvpool("up")
+    assert r.returncode == 1
+    assert "already running" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert home.pool_file.read_text() == before
+
+
+def test_down_and_status_without_pool(home: Home) -> None:
+    for command in ("down", "status"):
+        r = home.kvpool(command)
+        assert r.returncode == 1
+        assert r.stderr.startswith("kvpool: error: no pool") and len(r.stderr.splitlines()) == 1
+
+
+def test_up_replaces_a_stale_pool_file(home: Home) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    home.path.mkdir(parents=True)
+    home.pool_file.write_text(
+        json.dumps({"master_address": "127.0.0.1:1", "master_pid": dead.pid, "holder_pid": 0})
+    )
+    r = home.up()
+    assert "replacing stale pool file" in r.stderr
+    assert json.loads(home.pool_file.read_text())["master_pid"] != dead.pid
+
+
+def test_status_of_a_dead_master_exits_1(home: Home) -> None:
+    home.up()
+    data = json.loads(home.pool_file.read_text())
+    os.kill(data["master_pid"], signal.SIGKILL)
+    pool = LocalPool.attach(home.pool_file)
+    assert pool.holder_running()
+    r = home.kvpool("status")
+    assert r.returncode == 1
+    assert "not answering" in r.stdout and "not answering" in r.stderr
+    assert home.kvpool("down").returncode == 0  # still stops the holder
+
+
+_WRITER = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", sys.argv[1]) == 0
+assert store.put("kvpool-cli-test/object", bytes(range(256)) * 4096) == 0
+store.close()
+"""
+
+_READER = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", sys.argv[1]) == 0
+data = store.get("kvpool-cli-test/object")
+store.close()
+sys.exit(0 if data == bytes(range(256)) * 4096 else 3)
+"""
+
+
+def test_object_outlives_its_writer_process(home: Home) -> None:
+    home.up()
+    master = json.loads(home.pool_file.read_text())["master_address"]
+    for script in (_WRITER, _READER):
+        r = subprocess.run(
+            [sys.executable, "-c", script, master],
+            env=home.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    js = json.loads(home.kvpool("status", "--json").stdout)
+    assert js["keys"] == 1 and js["used_bytes"] >= 1 << 20
+    assert js["namespaces"] == {"rows": [], "other": 1}
+
+
+def test_up_with_master_starts_only_a_holder(home: Home, pool_factory: PoolFactory) -> None:
+    master = pool_factory(with_holder=False)
+    home.up("--master", master.master_address, "--metrics-url", master.metrics_url)
+    data = json.loads(home.pool_file.read_text())
+    assert data["master_pid"] is None and data["master_address"] == master.master_address
+    assert [role for role, _, ok in _running(home.pool_file) if ok] == ["holder"]
+    js = json.loads(home.kvpool("status", "--json").stdout)
+    assert js["reachable"] and js["capacity_bytes"] == 128 << 20
+
+    assert home.kvpool("down").returncode == 0
+    assert master.master_running()  # not ours to stop

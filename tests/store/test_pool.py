@@ -1,0 +1,219 @@
+"""LocalPool against real mooncake_master / mooncake_client processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvpool.config import load_config
+from kvpool.errors import StoreMissingDependency, StoreUnavailable
+from kvpool.pool import (
+    HOLDER_BINARY,
+    MASTER_BINARY,
+    LocalPool,
+    find_binary,
+    is_mooncake_process,
+    master_keys,
+    pool_status,
+    segment_capacities,
+)
+
+MiB = 1 << 20
+PoolFactory = Callable[..., LocalPool]  # the conftest fixture's type
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer exists (or is a zombie someone else must reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def test_pool_starts_healthy_and_stops_reaped(pool_factory: PoolFactory) -> None:
+    pool = pool_factory(segment_size=128 * MiB)
+    assert pool.master_pid and pool.holder_pid
+    assert pool.is_alive()
+    assert pool.master_address.startswith("127.0.0.1:")
+    assert pool.holder_address.startswith("127.0.0.1:")
+    assert pool.metrics_url.startswith("http://127.0.0.1:")
+    assert list(segment_capacities(pool.metrics()).values()) == [128 * MiB]
+    assert (pool.home / "master.log").stat().st_size > 0
+    assert (pool.home / "holder.log").stat().st_size > 0
+
+    master_pid, holder_pid = pool.master_pid, pool.holder_pid
+    pool.stop()
+    assert _gone(master_pid) and _gone(holder_pid)  # reaped, not zombies
+    assert not pool.is_alive()
+    pool.stop()  # idempotent
+
+
+def test_master_only_pool(pool_factory: PoolFactory) -> None:
+    pool = pool_factory(with_holder=False)
+    assert pool.holder_pid is None and pool.holder_address == ""
+    status = pool_status(pool)
+    assert status.reachable and status.segments == {} and status.keys == 0
+
+
+def test_context_manager_stops(tmp_path: Path) -> None:
+    with LocalPool.start(tmp_path, segment_size=64 * MiB, client_ttl=2, lease_ttl_ms=500) as pool:
+        pids = [pool.master_pid, pool.holder_pid]
+    assert all(p is not None and _gone(p) for p in pids)
+
+
+def test_config_is_a_pure_client(local_pool: LocalPool) -> None:
+    cfg = local_pool.config(checksum=False)
+    assert cfg.master_address == local_pool.master_address
+    assert cfg.holder_address == local_pool.holder_address
+    assert cfg.metrics_url == local_pool.metrics_url
+    assert cfg.global_segment_size == 0
+    assert cfg.checksum is False
+
+
+def test_kill_and_restart_holder(local_pool: LocalPool) -> None:
+    old_pid = local_pool.holder_pid
+    assert old_pid is not None
+    old_segments = set(segment_capacities(local_pool.metrics()))
+    local_pool.kill_holder()
+    assert not local_pool.holder_running() and _gone(old_pid)
+    assert local_pool.master_running()
+
+    local_pool.restart_holder()
+    assert local_pool.holder_running() and local_pool.holder_pid != old_pid
+    assert set(segment_capacities(local_pool.metrics())) - old_segments
+    # the killed holder's segment is dropped once client_ttl (2 s) has passed
+    assert _wait_until(lambda: not old_segments & set(segment_capacities(local_pool.metrics())))
+
+
+def test_pool_file_round_trip(local_pool: LocalPool, tmp_path: Path) -> None:
+    path = local_pool.write_pool_file(tmp_path / "pool.json")
+    data = json.loads(path.read_text())
+    assert data["master_pid"] == local_pool.master_pid
+    assert data["holder_pid"] == local_pool.holder_pid
+    assert data["segment_size"] == 256 * MiB
+    assert "created" in data and "global_segment_size" not in data
+
+    cfg = load_config({"pool_file": str(path)}, env={})
+    assert cfg.master_address == local_pool.master_address
+    assert cfg.holder_address == local_pool.holder_address
+    assert cfg.metrics_url == local_pool.metrics_url
+    assert cfg.global_segment_size == 0 and cfg.pool_file == str(path)
+
+    attached = LocalPool.attach(path)
+    assert attached.is_alive()
+    assert (attached.master_pid, attached.holder_pid) == (
+        local_pool.master_pid,
+        local_pool.holder_pid,
+    )
+    status = pool_status(attached)
+    assert status.reachable and status.capacity_bytes == 256 * MiB
+    assert len(status.segments) == 1
+
+    attached.stop()  # signals the verified PIDs; the fixture then reaps them
+    assert _wait_until(lambda: not local_pool.is_alive())
+
+
+def test_stale_pool_file(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    path = tmp_path / "pool.json"
+    path.write_text(
+        json.dumps(
+            {
+                "master_address": "127.0.0.1:1",
+                "metrics_url": "http://127.0.0.1:1",
+                "holder_address": "127.0.0.1:2",
+                "master_pid": proc.pid,
+                "holder_pid": proc.pid,
+            }
+        )
+    )
+    pool = LocalPool.attach(path)
+    assert not pool.is_alive()
+    pool.stop()  # nothing to do, no error
+    status = pool_status(pool)
+    assert not status.reachable and "cannot read" in status.error
+
+
+def test_never_kills_an_unrelated_pid(tmp_path: Path, local_pool: LocalPool) -> None:
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        path = tmp_path / "pool.json"
+        data = local_pool.pool_file_data()
+        data["master_pid"] = bystander.pid  # a reused PID: not mooncake at all
+        data["holder_pid"] = local_pool.master_pid  # mooncake, but not this holder
+        path.write_text(json.dumps(data))
+        pool = LocalPool.attach(path)
+        assert not pool.is_alive()
+        pool.stop(timeout_s=1.0)
+        assert bystander.poll() is None
+        assert local_pool.is_alive()
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_is_mooncake_process(local_pool: LocalPool) -> None:
+    port = local_pool.master_address.rsplit(":", 1)[1]
+    assert local_pool.master_pid is not None
+    assert is_mooncake_process(local_pool.master_pid, MASTER_BINARY, f"--rpc_port={port}")
+    assert not is_mooncake_process(local_pool.master_pid, MASTER_BINARY, "--rpc_port=1")
+    assert not is_mooncake_process(local_pool.master_pid, HOLDER_BINARY, f"--rpc_port={port}")
+    assert not is_mooncake_process(os.getpid(), MASTER_BINARY, f"--rpc_port={port}")
+
+
+def test_keys_are_listed(local_pool: LocalPool) -> None:
+    script = (
+        "import sys\n"
+        "from mooncake.store import MooncakeDistributedStore as S\n"
+        "s = S()\n"
+        "assert s.setup('127.0.0.1', 'P2PHANDSHAKE', 0, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
+        "key = 'kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.p0/ab'\n"
+        "assert s.put(key, b'x') == 0 and s.put('not-kvpool', b'y') == 0\n"
+        "s.close()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script, local_pool.master_address], check=True, timeout=60
+    )
+    # the writer was a pure client: its objects live on in the holder
+    assert sorted(master_keys(local_pool.metrics_url)) == [
+        "kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.p0/ab",
+        "not-kvpool",
+    ]
+    status = pool_status(local_pool)
+    assert status.keys == 2 and status.namespaces is not None
+    assert status.namespaces.other == 1
+    (row,) = status.namespaces.rows
+    assert (row.model, row.group, row.keys, row.contents) == ("org/m", 0, 1, 1)
+
+
+def test_unhealthy_start_reports_log_tail(pool_factory: PoolFactory, tmp_path: Path) -> None:
+    # a holder against a master that is not there never comes up
+    with pytest.raises(StoreUnavailable, match=r"mooncake_client .*holder\.log"):
+        pool_factory(master_address="127.0.0.1:1", timeout_s=1.0)
+
+
+def test_missing_binary_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(StoreMissingDependency, match="pip install"):
+        find_binary(MASTER_BINARY)

@@ -1,0 +1,131 @@
+"""Pool helpers that need no processes: metrics parsing, namespaces, CLI tables."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvpool.cli.main import run
+from kvpool.cli.pool_cmd import (
+    format_bytes,
+    kv_transfer_config,
+    namespace_table,
+    status_json,
+    status_view,
+    up_summary,
+)
+from kvpool.pool import (
+    LocalPool,
+    PoolStatus,
+    namespace_counts,
+    parse_metrics,
+    segment_capacities,
+)
+
+METRICS = """\
+# HELP master_key_count keys
+# TYPE master_key_count gauge
+master_allocated_bytes 6
+master_total_capacity_bytes 268435456
+segment_total_capacity_bytes{segment="127.0.0.1:13047"} 268435456
+segment_total_capacity_bytes{segment="127.0.0.1:14000"} 1.073741824e+09
+master_key_count 2
+weird{label="a b"} 3 1700000000
+not a sample
+"""
+
+KEY = "kvpool/1/org/llama/0123456789abcdef/g{g}.h{h}.d0.c0.p0/{n:02x}"
+
+
+def _render(renderable: object) -> str:
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(renderable)
+    return out.getvalue()
+
+
+def test_parse_metrics() -> None:
+    m = parse_metrics(METRICS)
+    assert m["master_key_count"] == 2
+    assert m['weird{label="a b"}'] == 3
+    assert "not" not in m and not any(k.startswith("#") for k in m)
+    assert segment_capacities(m) == {"127.0.0.1:13047": 268435456, "127.0.0.1:14000": 1 << 30}
+
+
+def test_namespace_counts() -> None:
+    keys = [KEY.format(g=g, h=h, n=n) for g in (0, 1) for h in (0, 1) for n in range(3)]
+    keys += ["foreign", "kvpool/1/bad"]
+    summary = namespace_counts(keys)
+    assert summary.other == 2
+    assert [(r.model, r.group, r.contents, r.keys) for r in summary.rows] == [
+        ("org/llama", 0, 2, 6),
+        ("org/llama", 1, 2, 6),
+    ]
+    text = _render(namespace_table(summary))
+    assert "org/llama" in text and "(other)" in text
+
+
+def _status(**kw: object) -> PoolStatus:
+    base: dict[str, object] = {
+        "master_address": "127.0.0.1:5000",
+        "holder_address": "127.0.0.1:5001",
+        "metrics_url": "http://127.0.0.1:5002",
+        "processes": (("master", 10, True), ("holder", 11, False)),
+        "reachable": True,
+        "keys": 7,
+        "used_bytes": 1 << 20,
+        "capacity_bytes": 1 << 30,
+        "clients": 2,
+        "segments": {"127.0.0.1:13000": 1 << 30},
+        "namespaces": namespace_counts([KEY.format(g=0, h=0, n=1)]),
+    }
+    base.update(kw)
+    return PoolStatus(**base)  # type: ignore[arg-type]
+
+
+def test_status_view_and_json() -> None:
+    text = _render(status_view(_status(), Path("/p/pool.json")))
+    assert "127.0.0.1:5000  (pid 10)" in text and "(pid 11, not running)" in text
+    assert "1.0 MiB used of 1.0 GiB (0.1%)" in text and "org/llama" in text
+    js = status_json(_status(), Path("/p/pool.json"))
+    assert json.loads(json.dumps(js))["namespaces"]["rows"][0]["keys"] == 1
+
+    bad = _status(reachable=False, error="cannot read x", namespaces=None)
+    down = _render(status_view(bad, Path("/p")))
+    assert "master not answering" in down and "keys" not in down
+
+
+def test_up_summary_and_flag(tmp_path: Path) -> None:
+    pool = LocalPool(
+        home=tmp_path,
+        master_address="127.0.0.1:5000",
+        metrics_url="http://127.0.0.1:5002",
+        holder_address="127.0.0.1:5001",
+        segment_size=1 << 30,
+    )
+    text = _render(up_summary(pool, tmp_path / "pool.json"))
+    assert "127.0.0.1:5000" in text and "1.0 GiB" in text and "pool.json" in text
+    flag = json.loads(kv_transfer_config("/x/pool.json"))
+    assert flag["kv_role"] == "kv_both" and flag["kv_load_failure_policy"] == "recompute"
+    assert flag["kv_connector_extra_config"] == {"pool_file": "/x/pool.json"}
+
+
+@pytest.mark.parametrize(
+    ("n", "text"), [(None, "?"), (0, "0 B"), (1536, "1.5 KiB"), (5 << 40, "5.0 TiB")]
+)
+def test_format_bytes(n: int | None, text: str) -> None:
+    assert format_bytes(n) == text
+
+
+def test_bad_options_exit_2_before_starting_anything(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPOOL_HOME", str(tmp_path))
+    assert run(["up", "--segment-size", "lots"]) == 2
+    assert run(["up", "--master", "nohost"]) == 2
+    assert run(["up", "--metrics-url", "http://127.0.0.1:1"]) == 2
+    assert "segment" in capsys.readouterr().err
+    assert not (tmp_path / "pool.json").exists()

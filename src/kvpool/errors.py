@@ -11,7 +11,7 @@
         ├── StoreUnavailable    no master / setup failed / store closed
         └── StoreMissingDependency  the Mooncake wheel or libibverbs is missing
 
-Per-key failures of store calls are *values* (``store.base.Result``), not
+Per-key failures of store calls are *values* (``store.base.Status``), not
 exceptions; only whole-store failures raise ``StoreError``.
 """
 

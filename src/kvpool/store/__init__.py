@@ -1,0 +1,69 @@
+"""Stores of KV objects, chosen by name. ``import kvpool.store`` imports no backend.
+
+    KVStore, Status, Segment      the interface (``kvpool.store.base``)
+    open_store(name, config, **o) build the store registered as ``name``
+                                  (``"memory"`` or ``"mooncake"``), importing its
+                                  module only now
+    register_store(name, m, cls)  add a backend; a name is registered once
+    store_names()                 the registered names
+
+A backend class provides ``from_config(config, **options) -> KVStore``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol
+
+from kvpool.config import PoolConfig
+from kvpool.errors import ConfigError
+from kvpool.store.base import KVStore, Segment, Segments, Status, total_size
+
+__all__ = [
+    "KVStore",
+    "Segment",
+    "Segments",
+    "Status",
+    "open_store",
+    "register_store",
+    "store_names",
+    "total_size",
+]
+
+
+class _StoreClass(Protocol):
+    def from_config(self, config: PoolConfig, **options: Any) -> KVStore: ...
+
+
+_REGISTRY: dict[str, tuple[str, str]] = {}
+
+
+def register_store(name: str, module: str, class_name: str) -> None:
+    """Register a backend by module path; refuses a name registered already."""
+    if name in _REGISTRY:
+        raise ValueError(f"a store named {name!r} is registered already")
+    _REGISTRY[name] = (module, class_name)
+
+
+def store_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def open_store(name: str, config: PoolConfig | None = None, **options: Any) -> KVStore:
+    """Import the backend registered as ``name`` and build it from ``config``.
+
+    Raises ``ConfigError`` for an unknown name, and whatever the backend raises
+    while setting up (``StoreUnavailable``, ``StoreMissingDependency``).
+    """
+    try:
+        module, class_name = _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown store {name!r}; choose one of {', '.join(store_names())}"
+        ) from None
+    cls: _StoreClass = getattr(importlib.import_module(module), class_name)
+    return cls.from_config(config if config is not None else PoolConfig(), **options)
+
+
+register_store("memory", "kvpool.store.memory", "MemoryStore")
+register_store("mooncake", "kvpool.store.mooncake", "MooncakeStore")

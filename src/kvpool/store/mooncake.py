@@ -1,0 +1,435 @@
+"""``MooncakeStore``: the ``KVStore`` on Mooncake Store. The only module importing Mooncake.
+
+    MooncakeStore(config)        connect a client to the pool's master (``PoolConfig``)
+    MooncakeStore(config, shared_memory=True)
+                                 same-host mode: talk to the pool's holder
+                                 (``holder_address``) over shared memory; falls back
+                                 to TCP, with a warning, if that cannot be set up
+    status_of(code)              Mooncake return code -> ``Status``
+
+Shared-memory mode (``requires_staging``): every segment must lie in a buffer
+from ``alloc_staging`` (memfd memory the holder maps; Mooncake refuses any
+other memory), and the holder copies between it and its segment, skipping
+loopback TCP (several times faster for large objects). Objects are the same
+objects a TCP client sees.
+
+Setup fails fast and says why: a missing wheel or ``libibverbs.so.1`` raises
+``StoreMissingDependency`` naming what to install; a master that does not
+accept a TCP connection within ``setup_timeout_s`` raises ``StoreUnavailable``
+naming its address. Before setup the process environment gets bounds on
+Mooncake's waits, each only if not set already: ``MC_STORE_CLIENT_SETUP_RETRIES``
+and ``MC_RPC_TIMEOUT_MS`` (from ``setup_timeout_s``: it bounds every call to the
+master, which otherwise waits 30 s on a hung one), ``MC_TCP_PROGRESS_TIMEOUT_SEC``
+and ``MC_TCP_STATUS_TIMEOUT_SEC`` (from ``transfer_timeout_s``), and
+``MC_TCP_BIND_ADDRESS`` when ``local_hostname`` is a loopback address.
+
+Calls use Mooncake's zero-copy multi-buffer batch API. Return codes map to
+statuses (0 or a byte count: OK; -200 NO_SPACE; -600 INVALID; -704 MISSING;
+-706 LEASED; -800 TRANSFER_FAILED; see ``status_of``); a get whose buffers do not
+match the object's size is CORRUPT. Mooncake reports a duplicate put as OK
+(the old value stays). No exception escapes a ``batch_*`` call: a failing
+binding call is UNAVAILABLE for its keys, logged. ``close`` waits for calls in
+flight, so no call ever reaches a closed Mooncake client (that crashes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.config import PoolConfig
+from kvpool.errors import StoreError, StoreMissingDependency, StoreUnavailable
+from kvpool.store.base import KVStore, Segments, Status, total_size
+
+__all__ = ["MooncakeStore", "status_of"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_WHEEL = (
+    "the Mooncake wheel is not installed: run `pip install 'kvpool[mooncake-cpu]'` "
+    "(or `pip install 'kvpool[mooncake]'` on CUDA hosts)"
+)
+_INSTALL_VERBS = (
+    "Mooncake needs the system library libibverbs.so.1 (even for TCP): "
+    "run `apt-get install -y libibverbs1` as root"
+)
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h) and what they mean here.
+_CODES: dict[int, Status] = {
+    -200: Status.NO_SPACE,  # NO_AVAILABLE_HANDLE
+    -10: Status.INVALID,  # BUFFER_OVERFLOW
+    -400: Status.INVALID,  # INVALID_KEY
+    -600: Status.INVALID,  # INVALID_PARAMS (also: destination buffer too small)
+    -601: Status.INVALID,  # ILLEGAL_CLIENT
+    -500: Status.TRANSFER_FAILED,  # WRITE_FAIL
+    -703: Status.MISSING,  # REPLICA_IS_NOT_READY: being written, not readable yet
+    -704: Status.MISSING,  # OBJECT_NOT_FOUND
+    -705: Status.EXISTS,  # OBJECT_ALREADY_EXISTS
+    -706: Status.LEASED,  # OBJECT_HAS_LEASE
+    -707: Status.TRANSFER_FAILED,  # LEASE_EXPIRED during the transfer
+    -708: Status.LEASED,  # OBJECT_HAS_REPLICATION_TASK: busy, like a lease
+    -710: Status.MISSING,  # REPLICA_NOT_FOUND
+    -712: Status.MISSING,  # REPLICA_IS_GONE
+    -800: Status.TRANSFER_FAILED,  # TRANSFER_FAIL (e.g. a dead holder's segment)
+    -801: Status.CORRUPT,  # CHECKSUM_MISMATCH
+    -900: Status.UNAVAILABLE,  # RPC_FAIL (e.g. the master is gone)
+    -901: Status.UNAVAILABLE,  # RPC_TIMEOUT
+    -1: Status.UNAVAILABLE,  # INTERNAL_ERROR
+}
+_unknown_logged: set[int] = set()
+
+
+def status_of(code: int) -> Status:
+    """The ``Status`` of a Mooncake return code (>= 0 is OK).
+
+    Codes of the RPC (-900s) and high-availability (-1000s) ranges are
+    UNAVAILABLE; any other unknown code is INVALID and logged once.
+    """
+    if code >= 0:
+        return Status.OK
+    known = _CODES.get(code)
+    if known is not None:
+        return known
+    if code not in _unknown_logged:
+        _unknown_logged.add(code)
+        logger.warning("kvpool: unexpected Mooncake return code %d", code)
+    return Status.UNAVAILABLE if -1099 <= code <= -900 else Status.INVALID
+
+
+def _load_mooncake() -> Callable[[], Any]:
+    """``MooncakeDistributedStore``, or ``StoreMissingDependency`` saying what to install."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            raise StoreMissingDependency(_INSTALL_VERBS) from exc
+        raise StoreMissingDependency(_INSTALL_WHEEL) from exc
+    factory: Callable[[], Any] = MooncakeDistributedStore
+    return factory
+
+
+def _connect_error(address: str, timeout: float) -> str | None:
+    """None if ``host:port`` accepts a TCP connection within ``timeout``, else why not."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Raise ``StoreUnavailable`` unless ``host:port`` accepts a TCP connection."""
+    error = _connect_error(address, timeout)
+    if error is not None:
+        raise StoreUnavailable(
+            f"cannot reach mooncake_master at {address} ({error}); "
+            "is the pool running? Start one with `kvpool up` or fix master_address"
+        )
+
+
+def _bound_waits(config: PoolConfig, env: dict[str, str] | os._Environ[str]) -> None:
+    """Set Mooncake's retry and timeout variables from ``config``, unless set already."""
+    # One setup retry costs about 4.5 s (measured), so this keeps within setup_timeout_s.
+    env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(max(1, int(config.setup_timeout_s // 5))))
+    env.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(config.setup_timeout_s * 1000))))
+    seconds = str(max(1, round(config.transfer_timeout_s)))
+    env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
+    env.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(config.local_hostname).is_loopback:
+            env.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+
+
+class MooncakeStore(KVStore):
+    """A Mooncake Store client. See the module docstring.
+
+    With ``config.global_segment_size == 0`` it is a pure client: objects live
+    in the pool's holder and outlive this process.
+    """
+
+    # One master RPC answers a lookup of a long prompt (16k keys in ~11 ms).
+    max_key_batch = 65536
+
+    def __init__(self, config: PoolConfig, *, shared_memory: bool = False) -> None:
+        super().__init__()
+        factory = _load_mooncake()
+        master = config.require_master()
+        _probe(master, config.setup_timeout_s)
+        _bound_waits(config, os.environ)
+        self.config = config
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self.shared_memory = False
+        if shared_memory:
+            self._store = factory()
+            self.shared_memory = self._setup_shared(config)
+        if not self.shared_memory:
+            self._store = factory()
+            self._setup_tcp(config, master)
+        logger.info(
+            "kvpool: Mooncake client connected to %s (%s)",
+            master,
+            f"shared memory via {config.holder_address}" if self.shared_memory else config.protocol,
+        )
+
+    def _setup_tcp(self, config: PoolConfig, master: str) -> None:
+        rc = self._store.setup(
+            config.local_hostname,
+            config.metadata_server,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device_name,
+            master,
+        )
+        if rc != 0:
+            raise StoreUnavailable(
+                f"Mooncake client setup against mooncake_master at {master} failed "
+                f"(code {rc}); see Mooncake's log above"
+            )
+
+    def _setup_shared(self, config: PoolConfig) -> bool:
+        """Connect to the holder as a same-host "dummy client"; False (logged) if not."""
+        holder = config.holder_address
+        why = "no holder_address is configured" if not holder else None
+        if why is None:
+            why = _connect_error(holder, config.setup_timeout_s)
+        if why is None:
+            rc = self._guarded(
+                "setup_dummy", self._store.setup_dummy, 0, config.local_buffer_size, holder
+            )
+            why = None if rc == 0 else f"setup_dummy returned {rc}"
+        if why is not None:
+            logger.warning(
+                "kvpool: shared memory with the holder %s is not available (%s); using %s",
+                holder or "(none)",
+                why,
+                config.protocol,
+            )
+        return why is None
+
+    @classmethod
+    def from_config(cls, config: PoolConfig, **options: Any) -> MooncakeStore:
+        return cls(config, **options)
+
+    # -- capabilities -----------------------------------------------------------
+
+    @property
+    def supports_leases(self) -> bool:
+        return True
+
+    @property
+    def requires_registration(self) -> bool:
+        return self.shared_memory or self.config.protocol == "rdma"
+
+    @property
+    def requires_staging(self) -> bool:
+        return self.shared_memory
+
+    @property
+    def raw(self) -> Any:
+        """The underlying ``MooncakeDistributedStore``, for benchmarks and diagnostics.
+
+        Calls on it bypass every guard of this class; never use it after ``close``.
+        """
+        return self._store
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def register_memory(self, addr: int, size: int) -> None:
+        with self._using() as store:
+            if store is None:
+                raise StoreUnavailable("MooncakeStore is closed")
+            rc = store.register_buffer(addr, size)
+        if rc != 0:
+            raise StoreError(f"Mooncake refused to register {size} bytes at {addr:#x} (code {rc})")
+
+    def alloc_staging(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """In shared-memory mode, memory from the holder's pool, registered whole."""
+        if not self.shared_memory:
+            return super().alloc_staging(nbytes)
+        with self._using() as store:
+            if store is None:
+                raise StoreUnavailable("MooncakeStore is closed")
+            addr = self._guarded("alloc_from_mem_pool", store.alloc_from_mem_pool, nbytes)
+            if not addr:
+                raise StoreError(f"Mooncake could not allocate {nbytes} bytes of shared memory")
+            rc = store.register_buffer(addr, nbytes)
+        if rc != 0:
+            raise StoreError(f"Mooncake refused to register its own shared memory (code {rc})")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+    def unregister_memory(self, addr: int) -> None:
+        with self._using() as store:
+            rc = store.unregister_buffer(addr) if store is not None else 0
+        if rc != 0:
+            logger.warning("kvpool: Mooncake unregister_buffer(%#x) returned %d", addr, rc)
+
+    def health(self) -> bool:
+        """Mooncake's own check, and the master accepts a connection (the former
+        alone stays healthy for seconds after the master is gone)."""
+        with self._using() as store:
+            if store is None or self._guarded("health_check", store.health_check) != 0:
+                return False
+        timeout = min(1.0, self.config.setup_timeout_s)
+        return _connect_error(self.config.master_address, timeout) is None
+
+    def close(self) -> None:
+        with self._cond:
+            if self.closed:
+                return
+            super().close()  # new calls now report UNAVAILABLE
+            self._cond.wait_for(lambda: self._inflight == 0)
+        rc = self._guarded("close", self._store.close)
+        logger.info("kvpool: Mooncake client closed (code %s)", rc)
+
+    # -- KVStore ------------------------------------------------------------------
+
+    def _exists(self, keys: Sequence[str]) -> list[Status]:
+        with self._using() as store:
+            if store is None:
+                return [Status.UNAVAILABLE] * len(keys)
+            codes = self._guarded("batch_is_exist", store.batch_is_exist, list(keys))
+        if codes is None:
+            return [Status.UNAVAILABLE] * len(keys)
+        # 1 present, 0 absent, -1 could not ask
+        return [
+            Status.OK if c == 1 else Status.MISSING if c == 0 else Status.UNAVAILABLE for c in codes
+        ]
+
+    def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        ptrs, sizes = _split(segments)
+        with self._using() as store:
+            if store is None:
+                return [Status.UNAVAILABLE] * len(keys)
+            codes = self._guarded(
+                "batch_put_from_multi_buffers",
+                store.batch_put_from_multi_buffers,
+                list(keys),
+                ptrs,
+                sizes,
+            )
+        return self._statuses("put", keys, codes)
+
+    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        ptrs, sizes = _split(segments)
+        with self._using() as store:
+            if store is None:
+                return [Status.UNAVAILABLE] * len(keys)
+            codes = self._guarded(
+                "batch_get_into_multi_buffers",
+                store.batch_get_into_multi_buffers,
+                list(keys),
+                ptrs,
+                sizes,
+            )
+            if codes is None:
+                return [Status.UNAVAILABLE] * len(keys)
+            out = []
+            for key, segs, code in zip(keys, segments, codes, strict=True):
+                expected = total_size(segs)
+                if code >= 0:
+                    out.append(Status.OK if code == expected else Status.CORRUPT)
+                elif code in (-600, -800) and self._size_differs(store, key, expected):
+                    out.append(Status.CORRUPT)  # Mooncake's answer to a size mismatch
+                else:
+                    out.append(self._status("get", key, code))
+            return out
+
+    def _remove(self, keys: Sequence[str], force: bool) -> list[Status]:
+        with self._using() as store:
+            if store is None:
+                return [Status.UNAVAILABLE] * len(keys)
+            codes = self._guarded("batch_remove", store.batch_remove, list(keys), force)
+        return self._statuses("remove", keys, codes)
+
+    def remove_prefix(self, prefix: str, force: bool = False) -> int:
+        """Remove every key starting with ``prefix``; the number removed.
+
+        Leased objects are kept unless ``force``. Raises ``StoreError`` if the
+        store refuses (Mooncake matches the regex anywhere, hence the anchor).
+        """
+        with self._using() as store:
+            if store is None:
+                raise StoreUnavailable("the Mooncake client is closed")
+            rc = self._guarded("remove_by_regex", store.remove_by_regex,
+                               "^" + re.escape(prefix), force)  # fmt: skip
+        if rc is None or rc < 0:
+            raise StoreError(f"removing keys under {prefix!r} failed (code {rc})")
+        return int(rc)
+
+    # -- internals ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[Any]:
+        """The Mooncake client, held open for the block; None once closed."""
+        with self._cond:
+            if self.closed:
+                yield None
+                return
+            self._inflight += 1
+        try:
+            yield self._store
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    @staticmethod
+    def _guarded(op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call a binding; a raised error is logged and returned as None (UNAVAILABLE)."""
+        try:
+            return fn(*args)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+            logger.error("kvpool: Mooncake %s raised %s: %s", op, type(exc).__name__, exc)
+            return None
+
+    def _size_differs(self, store: Any, key: str, expected: int) -> bool:
+        size = self._guarded("get_size", store.get_size, key)
+        return isinstance(size, int) and size >= 0 and size != expected
+
+    def _statuses(self, op: str, keys: Sequence[str], codes: list[int] | None) -> list[Status]:
+        if codes is None:
+            return [Status.UNAVAILABLE] * len(keys)
+        return [self._status(op, k, c) for k, c in zip(keys, codes, strict=True)]
+
+    @staticmethod
+    def _status(op: str, key: str, code: int) -> Status:
+        status = status_of(code)
+        if status is not Status.OK and status is not Status.MISSING:
+            logger.debug("kvpool: Mooncake %s of %r returned %d (%s)", op, key, code, status.name)
+        return status
+
+
+def _split(segments: Sequence[Segments]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per object: addresses and sizes, adjacent segments merged.
+
+    Mooncake moves every buffer as a transfer slice of its own, and the cost per
+    slice dominates below a few hundred KiB, so ``[(a, n), (a + n, m)]`` goes as
+    ``[(a, n + m)]``: the same bytes in the same order.
+    """
+    all_ptrs, all_sizes = [], []
+    for segs in segments:
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        for addr, size in segs:
+            if ptrs and ptrs[-1] + sizes[-1] == addr:
+                sizes[-1] += size
+            elif size:
+                ptrs.append(addr)
+                sizes.append(size)
+        all_ptrs.append(ptrs)
+        all_sizes.append(sizes)
+    return all_ptrs, all_sizes

@@ -1,0 +1,180 @@
+"""MooncakeStore against real processes: setup failures, dead holders, pure clients,
+and the same-host shared-memory mode."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.config import PoolConfig
+from kvpool.errors import StoreError, StoreUnavailable
+from kvpool.pool import LocalPool
+from kvpool.store import Status, open_store
+from kvpool.store.framed import FramedStore
+from kvpool.store.mooncake import MooncakeStore
+
+MiB = 1 << 20
+FP = "0123456789abcdef"
+
+
+def rand(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def seg(a: np.ndarray) -> list[tuple[int, int]]:
+    return [(a.ctypes.data, a.nbytes)]
+
+
+def test_unreachable_master_fails_fast_naming_the_address() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=f"mooncake_master at {address}.*kvpool up"):
+        open_store("mooncake", PoolConfig(master_address=address))
+    assert time.monotonic() - start < 10
+
+
+def test_an_endpoint_that_is_no_master_fails_setup_within_the_setup_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MC_RPC_TIMEOUT_MS", raising=False)  # let the adapter bound it
+    with socket.socket() as listener:  # accepts TCP, never answers RPC
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=f"setup against mooncake_master at {address}"):
+            MooncakeStore(PoolConfig(master_address=address, setup_timeout_s=2))
+    assert time.monotonic() - start < 10
+
+
+def test_objects_outlive_the_pure_client_that_wrote_them(local_pool: LocalPool) -> None:
+    a = rand(2 * MiB, 1)
+    with MooncakeStore(local_pool.config()) as writer:
+        assert writer.batch_put(["keep"], [seg(a)]) == [Status.OK]
+    out = np.zeros_like(a)
+    with MooncakeStore(local_pool.config()) as reader:
+        assert reader.batch_get(["keep"], [seg(out)]) == [Status.OK]
+    assert np.array_equal(a, out)
+
+
+def test_a_killed_holder_gives_typed_failures_never_exceptions(
+    pool_factory: Callable[..., LocalPool],
+) -> None:
+    pool = pool_factory(segment_size=64 * MiB, client_ttl=2)
+    a = rand(MiB, 2)
+    out = np.zeros_like(a)
+    with MooncakeStore(pool.config(transfer_timeout_s=2)) as store:
+        assert store.batch_put(["before"], [seg(a)]) == [Status.OK]
+        pool.kill_holder()
+        # the master still lists the dead holder's segment: transfers to it fail
+        puts = store.batch_put([f"after/{i}" for i in range(4)], [seg(a)] * 4)
+        assert Status.TRANSFER_FAILED in puts
+        assert not any(p.ok for p in puts)
+        got = store.batch_get(["before"], [seg(out)])
+        assert got[0] in (Status.TRANSFER_FAILED, Status.MISSING)
+        assert not np.array_equal(out, a) or got == [Status.OK]
+        # once the master drops the segment (client_ttl), there is just no space
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            status = store.batch_put(["later"], [seg(a)])[0]
+            assert not status.ok
+            if status is not Status.TRANSFER_FAILED:
+                break
+            time.sleep(0.2)
+        assert status is Status.NO_SPACE
+        assert store.batch_exists(["before"]) == [Status.MISSING]
+
+
+def test_a_stopped_master_gives_unavailable_health_and_typed_statuses(
+    pool_factory: Callable[..., LocalPool],
+) -> None:
+    pool = pool_factory(segment_size=64 * MiB)
+    a = rand(1000, 3)
+    with MooncakeStore(pool.config(transfer_timeout_s=2)) as store:
+        assert store.health()
+        pool.stop()
+        start = time.monotonic()
+        assert not store.health()
+        assert store.batch_exists(["x"]) == [Status.UNAVAILABLE]
+        assert store.batch_put(["x"], [seg(a)]) == [Status.UNAVAILABLE]
+        assert store.batch_get(["x"], [seg(a)]) == [Status.UNAVAILABLE]
+        assert time.monotonic() - start < 30
+
+
+# -- same-host shared-memory mode ------------------------------------------------------
+
+
+def test_shared_memory_round_trip_is_visible_to_tcp_clients(local_pool: LocalPool) -> None:
+    data = rand(3 * MiB, 4)
+    with (
+        MooncakeStore(local_pool.config(), shared_memory=True) as shm,
+        MooncakeStore(local_pool.config()) as tcp,
+    ):
+        assert shm.shared_memory and shm.requires_staging and not tcp.requires_staging
+        src = shm.alloc_staging(data.nbytes)
+        src[:] = data
+        dst = shm.alloc_staging(data.nbytes)
+        dst[:] = 0
+        base = src.ctypes.data
+        segs = [(base + 2 * MiB, MiB), (base, 2 * MiB)]  # out of order on purpose
+        assert shm.batch_put(["shm/a"], [segs]) == [Status.OK]
+        expected = np.concatenate([data[2 * MiB :], data[: 2 * MiB]])
+        out = np.zeros_like(data)
+        assert tcp.batch_get(["shm/a"], [seg(out)]) == [Status.OK]
+        assert np.array_equal(out, expected)
+        assert tcp.batch_put(["tcp/b"], [seg(data)]) == [Status.OK]
+        assert shm.batch_get(["tcp/b"], [[(dst.ctypes.data, dst.nbytes)]]) == [Status.OK]
+        assert np.array_equal(dst, data)
+        assert shm.batch_exists(["shm/a", "nope"]) == [Status.OK, Status.MISSING]
+
+
+def test_shared_memory_refuses_other_memory_as_values(local_pool: LocalPool) -> None:
+    plain = rand(1000, 5)
+    with MooncakeStore(local_pool.config(), shared_memory=True) as shm:
+        assert shm.batch_put(["plain"], [seg(plain)]) == [Status.INVALID]
+        with pytest.raises(StoreError, match="refused to register"):
+            shm.register_memory(plain.ctypes.data, plain.nbytes)
+
+
+def test_framed_store_over_shared_memory(local_pool: LocalPool) -> None:
+    data = rand(MiB, 6)
+    with FramedStore(MooncakeStore(local_pool.config(), shared_memory=True), FP) as framed:
+        assert framed.requires_staging
+        src, dst = framed.alloc_staging(MiB), framed.alloc_staging(MiB)
+        src[:] = data
+        assert framed.batch_put(["f/shm"], [seg(src)]) == [Status.OK]
+        assert framed.batch_get(["f/shm"], [seg(dst)]) == [Status.OK]
+        assert np.array_equal(dst, data)
+
+
+@pytest.mark.parametrize("holder", ["", "master"])
+def test_shared_memory_falls_back_to_tcp(
+    local_pool: LocalPool, caplog: pytest.LogCaptureFixture, holder: str
+) -> None:
+    address = local_pool.master_address if holder == "master" else ""
+    with MooncakeStore(local_pool.config(holder_address=address), shared_memory=True) as store:
+        assert not store.shared_memory and not store.requires_staging
+        a = rand(1000, 7)
+        assert store.batch_put(["fb"], [seg(a)]) == [Status.OK]
+    assert "shared memory with the holder" in caplog.text and "using tcp" in caplog.text
+
+
+def test_remove_prefix_removes_only_keys_under_the_prefix(local_pool: Any) -> None:
+    store = MooncakeStore(local_pool.config())
+    try:
+        buf = np.full(1024, 7, dtype=np.uint8)
+        seg = [[(buf.ctypes.data, 1024)]]
+        keys = ["kvpool/1/m/a.b/x", "kvpool/1/m/a.b/y", "kvpool/1/m/aXb/z", "x/kvpool/1/m/a.b/"]
+        for k in keys:
+            assert store.batch_put([k], seg) == [Status.OK]
+        assert store.remove_prefix("kvpool/1/m/a.b/", force=True) == 2
+        assert store.batch_exists(keys) == [Status.MISSING, Status.MISSING, Status.OK, Status.OK]
+    finally:
+        store.close()

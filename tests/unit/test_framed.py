@@ -1,0 +1,217 @@
+"""FramedStore over the memory store: headers are written, checked, and never leak."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvpool import header
+from kvpool.header import HEADER_SIZE, CheckFailure
+from kvpool.store import Status
+from kvpool.store.framed import FramedStore
+from kvpool.store.memory import MemoryStore
+
+FP = "0123456789abcdef"
+OTHER_FP = "fedcba9876543210"
+
+
+def buf(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def split(a: np.ndarray, *cuts: int) -> list[tuple[int, int]]:
+    bounds = [0, *cuts, a.nbytes]
+    return [(a.ctypes.data + x, y - x) for x, y in itertools.pairwise(bounds)]
+
+
+@pytest.fixture
+def inner() -> MemoryStore:
+    return MemoryStore(capacity=1 << 24, require_registration=False)
+
+
+@pytest.fixture
+def framed(inner: MemoryStore) -> FramedStore:
+    return FramedStore(inner, FP, checksum=True)
+
+
+def stored_bytes(inner: MemoryStore, key: str, n: int) -> np.ndarray:
+    out = np.zeros(n, np.uint8)
+    assert inner.batch_get([key], [[(out.ctypes.data, n)]]) == [Status.OK]
+    return out
+
+
+def test_round_trip_with_different_segmentations(framed: FramedStore) -> None:
+    a = buf(10_000, 1)
+    assert framed.batch_put(["k"], [split(a, 10, 4000)]) == [Status.OK]
+    out = np.zeros_like(a)
+    assert framed.batch_get(["k"], [split(out, 1, 2, 9999)]) == [Status.OK]
+    assert np.array_equal(a, out)
+
+
+def test_the_header_is_stored_first_and_describes_the_payload(
+    inner: MemoryStore, framed: FramedStore
+) -> None:
+    a = buf(300, 2)
+    framed.batch_put(["k"], [split(a, 100)])
+    raw = stored_bytes(inner, "k", HEADER_SIZE + 300)
+    h = header.unpack(raw.tobytes())
+    assert h.fingerprint == bytes.fromhex(FP) and h.payload_len == 300
+    assert h.key_digest == header.key_digest("k")
+    assert h.checksum == xxhash.xxh3_64_intdigest(a.tobytes()) and h.has_checksum
+    assert np.array_equal(raw[HEADER_SIZE:], a)
+
+
+def test_checksum_off_writes_no_checksum(inner: MemoryStore) -> None:
+    framed = FramedStore(inner, FP, checksum=False)
+    a = buf(50)
+    framed.batch_put(["k"], [split(a)])
+    h = header.unpack(stored_bytes(inner, "k", HEADER_SIZE + 50).tobytes())
+    assert not h.has_checksum and h.checksum == 0
+
+
+@pytest.mark.parametrize(
+    ("offset", "cause"),
+    [
+        (0, CheckFailure.MAGIC),
+        (4, CheckFailure.VERSION),
+        (7, CheckFailure.FLAGS),
+        (9, CheckFailure.FINGERPRINT),
+        (20, CheckFailure.KEY),
+        (30, CheckFailure.LENGTH),
+        (35, CheckFailure.CHECKSUM),
+        (50, CheckFailure.RESERVED),
+        (HEADER_SIZE + 123, CheckFailure.CHECKSUM),  # a payload byte
+    ],
+)
+def test_a_flipped_byte_reads_corrupt_with_its_cause(
+    inner: MemoryStore, framed: FramedStore, offset: int, cause: CheckFailure
+) -> None:
+    a = buf(1000, 3)
+    framed.batch_put(["k", "good"], [split(a), split(a)])
+    inner.tamper("k", offset)
+    out, out2 = np.zeros_like(a), np.zeros_like(a)
+    assert framed.batch_get(["k", "good"], [split(out), split(out2)]) == [
+        Status.CORRUPT,
+        Status.OK,
+    ]
+    assert framed.corrupt_counts == {cause: 1}
+
+
+def test_object_written_under_another_fingerprint_reads_corrupt(inner: MemoryStore) -> None:
+    writer = FramedStore(inner, OTHER_FP)
+    reader = FramedStore(inner, FP)
+    a = buf(64)
+    writer.batch_put(["k"], [split(a)])
+    out = np.zeros_like(a)
+    assert reader.batch_get(["k"], [split(out)]) == [Status.CORRUPT]
+    assert reader.corrupt_counts == {CheckFailure.FINGERPRINT: 1}
+
+
+def test_object_stored_under_another_key_reads_corrupt(
+    inner: MemoryStore, framed: FramedStore
+) -> None:
+    a = buf(64)
+    framed.batch_put(["a"], [split(a)])
+    raw = stored_bytes(inner, "a", HEADER_SIZE + 64)
+    inner.batch_put(["b"], [[(raw.ctypes.data, raw.nbytes)]])  # copied under another key
+    out = np.zeros_like(a)
+    assert framed.batch_get(["b"], [split(out)]) == [Status.CORRUPT]
+    assert framed.corrupt_counts == {CheckFailure.KEY: 1}
+
+
+def test_a_read_of_another_size_reads_corrupt(framed: FramedStore) -> None:
+    a = buf(64)
+    framed.batch_put(["k"], [split(a)])
+    small, big = np.zeros(63, np.uint8), np.zeros(65, np.uint8)  # distinct destinations
+    assert framed.batch_get(["k", "k"], [split(small), split(big)]) == [Status.CORRUPT] * 2
+    assert framed.corrupt_counts == {CheckFailure.LENGTH: 2}
+
+
+def test_verify_off_skips_only_the_checksum(inner: MemoryStore) -> None:
+    framed = FramedStore(inner, FP, checksum=True, verify=False)
+    a = buf(100)
+    framed.batch_put(["k"], [split(a)])
+    inner.tamper("k", HEADER_SIZE + 5)
+    out = np.zeros_like(a)
+    assert framed.batch_get(["k"], [split(out)]) == [Status.OK]  # payload not verified
+    inner.tamper("k", 10)  # a fingerprint byte is still checked
+    assert framed.batch_get(["k"], [split(out)]) == [Status.CORRUPT]
+
+
+def test_each_cause_is_logged_once(
+    inner: MemoryStore, framed: FramedStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = buf(100)
+    keys = ["a", "b", "c"]
+    framed.batch_put(keys, [split(a)] * 3)
+    for k in keys:
+        inner.tamper(k, HEADER_SIZE)
+    outs = [np.zeros_like(a) for _ in keys]
+    with caplog.at_level(logging.WARNING, logger="kvpool.store.framed"):
+        assert framed.batch_get(keys, [split(o) for o in outs]) == [Status.CORRUPT] * 3
+        framed.batch_get(["a"], [split(outs[0])])
+    assert len(caplog.records) == 1 and "payload checksum mismatch" in caplog.text
+    assert framed.corrupt_counts[CheckFailure.CHECKSUM] == 4
+
+
+def test_failures_of_the_inner_store_pass_through(inner: MemoryStore, framed: FramedStore) -> None:
+    a = buf(10)
+    inner.inject("bad", Status.TRANSFER_FAILED)
+    assert framed.batch_put(["bad", "k"], [split(a), split(a)]) == [
+        Status.TRANSFER_FAILED,
+        Status.OK,
+    ]
+    assert framed.batch_put(["k"], [split(a)]) == [Status.EXISTS]
+    assert framed.reports_duplicates
+    out = np.zeros_like(a)
+    assert framed.batch_get(["missing"], [split(out)]) == [Status.MISSING]
+    assert framed.batch_exists(["k", "missing"]) == [Status.OK, Status.MISSING]
+    assert framed.batch_remove(["k", "missing"]) == [Status.OK, Status.MISSING]
+    assert framed.corrupt_counts == {}
+
+
+def test_batches_larger_than_the_arena_and_concurrent_callers(inner: MemoryStore) -> None:
+    framed = FramedStore(inner, FP, slots=4)
+    data = {f"k{i}": buf(200, i) for i in range(40)}
+    errors: list[str] = []
+
+    def worker(names: list[str]) -> None:
+        if framed.batch_put(names, [split(data[k], 50) for k in names]) != [Status.OK] * len(names):
+            errors.append("put")
+        outs = [np.zeros(200, np.uint8) for _ in names]
+        if framed.batch_get(names, [split(o, 7) for o in outs]) != [Status.OK] * len(names):
+            errors.append("get")
+        errors.extend(k for k, o in zip(names, outs, strict=True) if not np.array_equal(o, data[k]))
+
+    names = sorted(data)
+    threads = [threading.Thread(target=worker, args=(names[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(framed._free) == [0, 1, 2, 3]  # every slot came back
+
+
+def test_close_closes_the_inner_store(inner: MemoryStore) -> None:
+    with FramedStore(inner, FP) as framed:
+        assert framed.health()
+    assert inner.closed and not framed.health()
+    assert framed.batch_exists(["k"]) == [Status.UNAVAILABLE]
+
+
+def test_arena_is_registered_with_the_inner_store() -> None:
+    inner = MemoryStore(require_registration=True)
+    framed = FramedStore(inner, FP)
+    a = buf(100)
+    assert framed.batch_put(["k"], [split(a)]) == [Status.INVALID]  # payload not registered
+    framed.register_memory(a.ctypes.data, a.nbytes)
+    assert framed.batch_put(["k"], [split(a)]) == [Status.OK]
+    out = np.zeros_like(a)
+    framed.register_memory(out.ctypes.data, out.nbytes)
+    assert framed.batch_get(["k"], [split(out)]) == [Status.OK] and np.array_equal(a, out)

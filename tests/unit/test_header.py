@@ -1,0 +1,149 @@
+"""Object header: round trips, and every single-field corruption is named."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool import header
+from kvpool.errors import HeaderError
+from kvpool.header import HEADER_SIZE, CheckFailure, Header, check, pack, unpack
+from kvpool.keys import KeySpace
+from kvpool.layout import Layout
+
+FP = bytes.fromhex("0123456789abcdef")
+fingerprints = st.binary(min_size=8, max_size=8)
+keys = st.text(min_size=1, max_size=200)
+lengths = st.integers(min_value=0, max_value=2**64 - 1)
+checksums = st.none() | st.integers(min_value=0, max_value=2**64 - 1)
+
+# Byte ranges of each field, and the failure a change there must produce.
+_FIELDS = [
+    (range(0, 4), CheckFailure.MAGIC),
+    (range(4, 6), CheckFailure.VERSION),
+    (range(6, 8), CheckFailure.FLAGS),
+    (range(8, 16), CheckFailure.FINGERPRINT),
+    (range(16, 24), CheckFailure.KEY),
+    (range(24, 32), CheckFailure.LENGTH),
+    (range(32, 40), CheckFailure.CHECKSUM),
+    (range(40, 64), CheckFailure.RESERVED),
+]
+
+
+def _segments(data: np.ndarray, cuts: list[int]) -> list[tuple[int, int]]:
+    bounds = [0, *sorted(c % (data.nbytes + 1) for c in cuts), data.nbytes]
+    return [(data.ctypes.data + a, b - a) for a, b in itertools.pairwise(bounds)]
+
+
+def test_header_is_64_bytes_and_starts_with_magic() -> None:
+    raw = pack(FP, "k", 10, 7)
+    assert HEADER_SIZE == 64 and len(raw) == 64
+    assert raw[:4] == b"KVPL"
+    assert raw[40:] == bytes(24)
+
+
+@given(fingerprints, keys, lengths, checksums)
+def test_pack_unpack_round_trip(fp: bytes, key: str, n: int, cs: int | None) -> None:
+    h = unpack(pack(fp, key, n, cs))
+    assert h == Header(fp, header.key_digest(key), n, cs or 0, 1 if cs is not None else 0)
+    assert h.has_checksum is (cs is not None)
+    assert check(h, fp, key, n, cs) is None
+
+
+@given(fingerprints, keys, lengths, checksums, st.integers(0, 100))
+def test_pack_into_writes_the_same_bytes(
+    fp: bytes, key: str, n: int, cs: int | None, offset: int
+) -> None:
+    buf = bytearray(offset + HEADER_SIZE + 3)
+    header.pack_into(buf, offset, fp, key, n, cs)
+    assert bytes(buf[offset : offset + HEADER_SIZE]) == pack(fp, key, n, cs)
+    assert unpack(buf, offset) == unpack(pack(fp, key, n, cs))
+
+
+@given(
+    fingerprints,
+    keys,
+    st.binary(min_size=1, max_size=300),
+    st.booleans(),
+    st.integers(0, 63),
+    st.integers(0, 7),
+)
+def test_every_single_bit_flip_is_detected_and_named(
+    fp: bytes, key: str, payload: bytes, with_checksum: bool, byte: int, bit: int
+) -> None:
+    real = xxhash.xxh3_64_intdigest(payload)
+    raw = bytearray(pack(fp, key, len(payload), real if with_checksum else None))
+    raw[byte] ^= 1 << bit
+    failure = check(unpack(raw), fp, key, len(payload), real)
+    expected = next(f for r, f in _FIELDS if byte in r)
+    if byte == 6 and bit == 0:  # the checksum flag itself
+        # on -> off leaves a checksum without its flag; off -> on claims checksum 0
+        expected = CheckFailure.FLAGS if with_checksum else CheckFailure.CHECKSUM
+    elif 32 <= byte < 40 and not with_checksum:
+        expected = CheckFailure.FLAGS  # a checksum value without the flag
+    assert failure is expected
+
+
+@given(fingerprints, fingerprints, keys, keys, st.integers(0, 2**40), st.integers(0, 2**40))
+def test_each_mismatched_argument_is_named(
+    fp: bytes, other_fp: bytes, key: str, other_key: str, n: int, other_n: int
+) -> None:
+    h = unpack(pack(fp, key, n, 1234))
+    if other_fp != fp:
+        assert check(h, other_fp, key, n) is CheckFailure.FINGERPRINT
+    if header.key_digest(other_key) != header.key_digest(key):
+        assert check(h, fp, other_key, n) is CheckFailure.KEY
+    if other_n != n:
+        assert check(h, fp, key, other_n) is CheckFailure.LENGTH
+    assert check(h, fp, key, n, 1235) is CheckFailure.CHECKSUM
+    assert check(h, fp, key, n, None) is None  # checksum not verified
+
+
+def test_header_without_checksum_skips_checksum_check() -> None:
+    h = unpack(pack(FP, "k", 5))
+    assert check(h, FP, "k", 5, 999) is None
+
+
+def test_unpack_too_short_raises_header_error() -> None:
+    with pytest.raises(HeaderError, match="64 bytes, got 63"):
+        unpack(bytes(63))
+    with pytest.raises(HeaderError, match="got 0"):
+        unpack(bytes(64), offset=64)
+
+
+def test_pack_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="8 bytes"):
+        pack(b"short", "k", 1)
+    with pytest.raises(ValueError, match="payload_len"):
+        pack(FP, "k", -1)
+
+
+@given(st.binary(max_size=5000), st.lists(st.integers(0, 5000), max_size=6))
+def test_payload_checksum_over_segments_equals_checksum_of_concatenation(
+    payload: bytes, cuts: list[int]
+) -> None:
+    data = np.frombuffer(bytearray(payload or b"\0"), dtype=np.uint8)
+    segs = _segments(data, cuts)
+    assert header.payload_checksum(segs) == xxhash.xxh3_64_intdigest(data.tobytes())
+
+
+def test_fingerprint_bytes_of_a_key_space() -> None:
+    space = KeySpace.create(
+        model="org/m",
+        layout=Layout.create(groups=["gqa:8"]),
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=16,
+        head_size=128,
+        num_layers=2,
+    )
+    fp = header.fingerprint_bytes(space.fingerprint)
+    assert fp.hex() == space.fingerprint and len(fp) == 8
+    assert header.fingerprint_bytes(fp) == fp
+    with pytest.raises(ValueError, match="8 bytes"):
+        header.fingerprint_bytes("abcd")

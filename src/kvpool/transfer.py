@@ -1,0 +1,554 @@
+"""Moves paged KV blocks between this rank's KV tensors and the pool.
+
+    TransferEngine(store, groups, num_blocks)  describe the KV tensors (``kvcache``),
+                                   register each distinct allocation once
+    submit_save(job_id, chunks)    copy the chunks' blocks into staging memory *now*,
+                                   then put them on a background thread; returns
+                                   False (and a finished, skipped job) when the save
+                                   is refused (backpressure, staging or queue full)
+    submit_load(job_id, chunks)    get the chunks on a background thread into the KV
+                                   tensors (zero-copy) or through staging
+    poll()                         finished jobs (``JobResult``); never blocks
+    wait(job_ids, timeout)         block until those jobs finish
+    close()                        stop the threads after the queued jobs
+
+Guarantees:
+
+* A save reads KV blocks only inside ``submit_save``: once it returns, the blocks
+  may be freed and reused by another request; the pool still gets the bytes they
+  held at submit time (or nothing).
+* A load job reports, in ``JobResult.invalid_block_ids``, the blocks of every chunk
+  that failed (missing, evicted, leased, corrupt, transfer failure) and of every
+  later chunk of the job, so the engine recomputes exactly those.
+* In staged load mode, bytes reach the KV tensors only after their header and
+  checksum were verified; in direct mode a failed chunk's blocks may hold
+  garbage, but they are reported invalid.
+* A CORRUPT object (header or checksum mismatch) is removed from the pool.
+* NO_SPACE, TRANSFER_FAILED or UNAVAILABLE on a put switch saves into
+  backpressure: further saves are skipped until a growing back-off expires.
+* Nothing raises into the caller for store faults; they become statuses.
+
+The caller decides which chunks this rank writes (``layout.Layout.writes``);
+chunks whose keys were stored (or loaded) recently are skipped without a store
+round trip, the rest are checked with one ``batch_exists`` before the put.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvpool.kvcache import GroupKV, describe_group
+from kvpool.store.base import KVStore, Status
+
+__all__ = ["ChunkRef", "JobResult", "StagingArena", "TransferEngine", "TransferStats"]
+
+logger = logging.getLogger(__name__)
+
+JobKind = Literal["save", "load"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk object of one group: its key and the blocks that hold it."""
+
+    key: str
+    group: int
+    chunk: int  # absolute chunk index in its request (orders failures)
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """A finished job. ``statuses`` has one entry per chunk key the job handled."""
+
+    job_id: Hashable
+    kind: JobKind
+    statuses: dict[str, Status]
+    invalid_block_ids: frozenset[int] = frozenset()  # loads: blocks to recompute
+    skipped: int = 0  # saves: chunks not written (already stored, or refused)
+    nbytes: int = 0  # payload bytes moved
+    seconds: float = 0.0  # wall time from submit to finish
+
+    @property
+    def ok(self) -> bool:
+        return all(s.stored for s in self.statuses.values()) and not self.invalid_block_ids
+
+
+@dataclass
+class TransferStats:
+    """Counters since start; read with ``TransferEngine.stats()``."""
+
+    saves_submitted: int = 0
+    saves_refused: Counter[str] = field(default_factory=Counter)  # reason -> jobs
+    chunks_put: int = 0
+    chunks_skipped_known: int = 0
+    chunks_skipped_exist: int = 0
+    bytes_put: int = 0
+    loads_submitted: int = 0
+    chunks_loaded: int = 0
+    bytes_loaded: int = 0
+    failures: Counter[str] = field(default_factory=Counter)  # status -> chunks
+    backpressure_events: int = 0
+
+
+class StagingArena:
+    """A ring allocator over one registered buffer; frees are roughly FIFO.
+
+    ``alloc`` returns a byte offset or None when the space is not free now.
+    """
+
+    def __init__(self, nbytes: int, align: int = 64) -> None:
+        self.nbytes = nbytes
+        self._align = align
+        self._live: deque[list[int]] = deque()  # [start, size, freed]
+        self._by_start: dict[int, list[int]] = {}
+        self._lock = threading.Condition()
+
+    def alloc(self, size: int, wait: bool = False) -> int | None:
+        """Offset of ``size`` free bytes, or None. With ``wait``, block until they
+        are free (None at once if ``size`` exceeds the whole arena)."""
+        size = -(-size // self._align) * self._align
+        if size > self.nbytes:
+            return None
+        with self._lock:
+            while (start := self._try_alloc(size)) is None and wait:
+                self._lock.wait()
+            return start
+
+    def _try_alloc(self, size: int) -> int | None:
+        """Place ``size`` bytes after the newest live block, wrapping to 0 if needed."""
+        if not self._live:
+            start: int | None = 0
+        else:
+            tail = self._live[0][0]
+            head = self._live[-1][0] + self._live[-1][1]
+            if self._live[-1][0] < tail:  # wrapped: free space is [head, tail)
+                start = head if head + size <= tail else None
+            elif head + size <= self.nbytes:
+                start = head
+            else:
+                start = 0 if size <= tail else None
+        if start is not None:
+            entry = [start, size, 0]
+            self._live.append(entry)
+            self._by_start[start] = entry
+        return start
+
+    def free(self, start: int) -> None:
+        with self._lock:
+            self._by_start.pop(start)[2] = 1
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+            self._lock.notify_all()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(e[1] for e in self._live if not e[2])
+
+
+@dataclass
+class _Job:
+    job_id: Hashable
+    kind: JobKind
+    chunks: list[ChunkRef]
+    submitted: float
+    staging: int | None = None  # offset in the staging arena
+    offsets: list[int] = field(default_factory=list)  # per chunk, in the arena
+    skipped: int = 0
+
+
+def _word(nbytes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides ``nbytes``."""
+    for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if nbytes % size == 0:
+            return dtype
+    return torch.uint8
+
+
+class TransferEngine:
+    """See the module docstring. One engine per worker rank."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        groups: Sequence[Sequence[tuple[str, torch.Tensor]]],
+        num_blocks: int,
+        *,
+        staging_bytes: int = 256 << 20,
+        staging: torch.Tensor | None = None,
+        load_mode: Literal["direct", "staged"] = "direct",
+        max_queue: int = 64,
+        known_keys: int = 65536,
+        backoff_s: tuple[float, float] = (1.0, 30.0),
+    ) -> None:
+        self.store = store
+        self.load_mode = load_mode
+        self.groups: list[GroupKV] = [describe_group(g, num_blocks) for g in groups]
+        # Views of each distinct allocation as (rows, row_bytes / w) of the widest
+        # integer type w dividing the row: indexed copies of bytes are several
+        # times slower than of 8-byte words.
+        self._views: list[list[torch.Tensor]] = []
+        registered: set[int] = set()
+        for spec, tensors in zip(self.groups, groups, strict=True):
+            by_base = {int(t.untyped_storage().data_ptr()): t for _, t in tensors}
+            views = []
+            for region in spec.regions:
+                t = by_base[region.base]
+                flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                flat.set_(t.untyped_storage(), 0, (region.nbytes,))  # type: ignore[call-overload]
+                words = flat.view(_word(region.row_bytes))
+                views.append(words.view(region.num_rows, -1))
+                if region.base not in registered:
+                    store.register_memory(region.base, region.nbytes)
+                    registered.add(region.base)
+            self._views.append(views)
+        if staging is None:
+            staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._staging = staging.view(-1)
+        self._staging_base = int(self._staging.data_ptr())
+        store.register_memory(self._staging_base, self._staging.numel())
+        self._arena = StagingArena(self._staging.numel())
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._known_max = known_keys
+        self._known_lock = threading.Lock()
+        self._backoff = backoff_s
+        self._backoff_next = backoff_s[0]
+        self._pressure_until = 0.0
+        self._stats = TransferStats()
+        self._stats_lock = threading.Lock()
+        self._done: deque[JobResult] = deque()
+        self._done_cond = threading.Condition()
+        self._save_q: queue.Queue[_Job | None] = queue.Queue(max_queue)
+        self._load_q: queue.Queue[_Job | None] = queue.Queue(max_queue)
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._save_q,), name="kvpool-save"),
+            threading.Thread(target=self._loop, args=(self._load_q,), name="kvpool-load"),
+        ]
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
+        self._closed = False
+
+    # -- public --------------------------------------------------------------------
+
+    def submit_save(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
+        """Stage ``chunks`` now and queue their put. False if refused (job finishes skipped)."""
+        job = _Job(job_id, "save", [], time.monotonic())
+        with self._known_lock:
+            for c in sorted(chunks, key=lambda c: (c.group, c.chunk)):
+                if c.key in self._known:
+                    job.skipped += 1
+                else:
+                    job.chunks.append(c)
+        with self._stats_lock:
+            self._stats.saves_submitted += 1
+            self._stats.chunks_skipped_known += job.skipped
+        if not job.chunks:
+            self._finish(job, {})
+            return True
+        if time.monotonic() < self._pressure_until:
+            return self._refuse(job, "backpressure")
+        offsets, total = self._place(job.chunks)
+        start = self._arena.alloc(total)
+        if start is None:
+            return self._refuse(job, "staging_full")
+        job.staging = start
+        job.offsets = [start + o for o in offsets]
+        try:
+            self._gather(job)
+        except Exception:
+            logger.exception("staging copy failed; save skipped")
+            return self._refuse(job, "staging_error")
+        try:
+            self._save_q.put_nowait(job)
+        except queue.Full:
+            return self._refuse(job, "queue_full")
+        return True
+
+    def submit_load(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
+        """Queue a load of ``chunks``; False if the queue is full (job finishes failed)."""
+        job = _Job(
+            job_id, "load", sorted(chunks, key=lambda c: (c.group, c.chunk)), time.monotonic()
+        )
+        with self._stats_lock:
+            self._stats.loads_submitted += 1
+        try:
+            self._load_q.put_nowait(job)
+        except queue.Full:
+            self._finish_load(job, dict.fromkeys((c.key for c in job.chunks), Status.UNAVAILABLE))
+            return False
+        return True
+
+    def poll(self) -> list[JobResult]:
+        """Finished jobs since the last poll, oldest first; never blocks."""
+        out = []
+        with self._done_cond:
+            while self._done:
+                out.append(self._done.popleft())
+        return out
+
+    def wait(self, job_ids: Iterable[Hashable], timeout: float | None = None) -> list[JobResult]:
+        """Block until every job in ``job_ids`` finished (or ``timeout``); return those.
+
+        Results of other jobs stay queued for ``poll``.
+        """
+        want = set(job_ids)
+        got: list[JobResult] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done_cond:
+            while True:
+                keep: deque[JobResult] = deque()
+                for r in self._done:
+                    (got if r.job_id in want else keep).append(r)
+                self._done = keep
+                want -= {r.job_id for r in got}
+                if not want:
+                    return got
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return got
+                self._done_cond.wait(left)
+
+    def stats(self) -> TransferStats:
+        with self._stats_lock:
+            s = self._stats
+            return TransferStats(
+                s.saves_submitted, Counter(s.saves_refused), s.chunks_put,
+                s.chunks_skipped_known, s.chunks_skipped_exist, s.bytes_put,
+                s.loads_submitted, s.chunks_loaded, s.bytes_loaded, Counter(s.failures),
+                s.backpressure_events,
+            )  # fmt: skip
+
+    @property
+    def in_backpressure(self) -> bool:
+        return time.monotonic() < self._pressure_until
+
+    @property
+    def queue_depth(self) -> int:
+        return self._save_q.qsize() + self._load_q.qsize()
+
+    def close(self) -> None:
+        """Finish queued jobs, stop the threads, unregister staging memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for q in (self._save_q, self._load_q):
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    # -- copies between KV tensors and staging ----------------------------------
+
+    def _stage_rows(self, job: _Job) -> Iterable[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per (group, region) entry: (group, region, staging rows view, row indices)."""
+        # Jobs keep their chunks sorted by group, so each group's objects lie back
+        # to back in staging and move with one indexed copy per region.
+        i = 0
+        while i < len(job.chunks):
+            g = job.chunks[i].group
+            j = i
+            while j < len(job.chunks) and job.chunks[j].group == g:
+                j += 1
+            spec = self.groups[g]
+            ids = np.array([c.block_ids for c in job.chunks[i:j]], dtype=np.int64)
+            pos = job.offsets[i]
+            for region, rows in spec.rows(ids):
+                row_bytes = spec.regions[region].row_bytes
+                n = rows.size * row_bytes
+                dst = self._staging[pos : pos + n].view(_word(row_bytes)).view(rows.size, -1)
+                yield g, region, dst, torch.from_numpy(rows)
+                pos += n
+            i = j
+
+    def _gather(self, job: _Job) -> None:
+        for g, region, dst, rows in self._stage_rows(job):
+            torch.index_select(self._views[g][region], 0, rows, out=dst)
+
+    def _scatter(self, job: _Job, ok: list[bool]) -> None:
+        """Copy staged objects of the chunks with ``ok`` into the KV tensors."""
+        good = _Job(job.job_id, job.kind, [], job.submitted)
+        good.chunks = [c for c, k in zip(job.chunks, ok, strict=True) if k]
+        good.offsets = [o for o, k in zip(job.offsets, ok, strict=True) if k]
+        for g, region, src, rows in self._stage_rows(good):
+            self._views[g][region].index_copy_(0, rows, src)
+
+    # -- background threads -------------------------------------------------------
+
+    def _loop(self, q: queue.Queue[_Job | None]) -> None:
+        while (job := q.get()) is not None:
+            try:
+                if job.kind == "save":
+                    self._run_save(job)
+                else:
+                    self._run_load(job)
+            except Exception:  # a bug here must not kill the thread or hang the engine
+                logger.exception("transfer job %r failed", job.job_id)
+                status = Status.UNAVAILABLE
+                statuses = {c.key: status for c in job.chunks}
+                if job.kind == "save":
+                    self._finish(job, statuses)
+                else:
+                    self._finish_load(job, statuses)
+
+    def _run_save(self, job: _Job) -> None:
+        keys = [c.key for c in job.chunks]
+        statuses: dict[str, Status] = {}
+        exists = self.store.batch_exists(keys)
+        todo = [i for i, s in enumerate(exists) if s is not Status.OK]
+        for i, s in enumerate(exists):
+            if s is Status.OK:
+                statuses[keys[i]] = Status.EXISTS
+        segs = [
+            [(self._staging_base + job.offsets[i], self._object_nbytes(job.chunks[i]))]
+            for i in todo
+        ]
+        put = self.store.batch_put([keys[i] for i in todo], segs) if todo else []
+        nbytes = 0
+        for i, s in zip(todo, put, strict=True):
+            statuses[keys[i]] = s
+            if s.stored:
+                nbytes += segs[todo.index(i)][0][1]
+        self._remember(k for k, s in statuses.items() if s.stored)
+        trouble = [s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED,
+                                           Status.UNAVAILABLE)]  # fmt: skip
+        if trouble:
+            self._enter_backpressure(trouble[0])
+        elif put:
+            self._backoff_next = self._backoff[0]
+        with self._stats_lock:
+            self._stats.chunks_skipped_exist += len(keys) - len(todo)
+            self._stats.chunks_put += sum(1 for s in put if s.stored)
+            self._stats.bytes_put += nbytes
+            self._stats.failures.update(s.value for s in put if not s.stored)
+        self._finish(job, statuses, nbytes)
+
+    def _run_load(self, job: _Job) -> None:
+        keys = [c.key for c in job.chunks]
+        if not keys:
+            self._finish_load(job, {})
+            return
+        if self.load_mode == "staged":
+            sizes = [self._object_nbytes(c) for c in job.chunks]
+            offsets, total = self._place(job.chunks)
+            # Loads wait for staging space (saves never do); too big a load fails.
+            start = self._arena.alloc(total, wait=True)
+            if start is None:
+                self._finish_load(job, dict.fromkeys(keys, Status.UNAVAILABLE))
+                return
+            job.staging = start
+            job.offsets = [start + o for o in offsets]
+            segs = [[(self._staging_base + o, n)] for o, n in zip(job.offsets, sizes, strict=True)]
+            try:
+                got = self.store.batch_get(keys, segs)
+                self._scatter(job, [s.ok for s in got])
+            finally:
+                self._arena.free(start)
+                job.staging = None
+        else:
+            segs = []
+            for c in job.chunks:
+                ids = np.array([c.block_ids], dtype=np.int64)
+                segs.append(self.groups[c.group].segments(ids)[0])
+            got = self.store.batch_get(keys, segs)
+        statuses = dict(zip(keys, got, strict=True))
+        self._remember(k for k, s in statuses.items() if s.ok)
+        bad = [k for k, s in statuses.items() if not s.ok]
+        self.forget(bad)
+        corrupt = [k for k in bad if statuses[k] is Status.CORRUPT]
+        if corrupt:  # an object that fails its checks is removed, so it misses next time
+            self.store.batch_remove(corrupt, force=True)
+        self._finish_load(job, statuses)
+
+    # -- bookkeeping ----------------------------------------------------------------
+
+    def _place(self, chunks: Sequence[ChunkRef]) -> tuple[list[int], int]:
+        """Staging offsets of ``chunks`` (sorted by group) and their total extent.
+
+        A group's objects lie back to back; each group starts 64-byte aligned, so
+        word views of staging line up with the word views of the KV tensors.
+        """
+        offsets, pos, group = [], 0, None
+        for c in chunks:
+            if c.group != group:
+                pos = -(-pos // 64) * 64
+                group = c.group
+            offsets.append(pos)
+            pos += self._object_nbytes(c)
+        return offsets, pos
+
+    def _object_nbytes(self, c: ChunkRef) -> int:
+        return self.groups[c.group].object_nbytes(len(c.block_ids))
+
+    def _remember(self, keys: Iterable[str]) -> None:
+        with self._known_lock:
+            for k in keys:
+                self._known[k] = None
+                self._known.move_to_end(k)
+            while len(self._known) > self._known_max:
+                self._known.popitem(last=False)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        """Drop keys from the recently-stored set (e.g. after a failed load of them)."""
+        with self._known_lock:
+            for k in keys:
+                self._known.pop(k, None)
+
+    def _enter_backpressure(self, cause: Status) -> None:
+        delay = self._backoff_next
+        self._backoff_next = min(self._backoff[1], delay * 2)
+        self._pressure_until = time.monotonic() + delay
+        with self._stats_lock:
+            self._stats.backpressure_events += 1
+        logger.warning("pool put failed (%s); skipping saves for %.1f s", cause.value, delay)
+
+    def _refuse(self, job: _Job, reason: str) -> bool:
+        if job.staging is not None:
+            self._arena.free(job.staging)
+            job.staging = None
+        with self._stats_lock:
+            self._stats.saves_refused[reason] += 1
+        job.skipped += len(job.chunks)
+        job.chunks = []
+        self._finish(job, {})
+        return False
+
+    def _finish(self, job: _Job, statuses: dict[str, Status], nbytes: int = 0) -> None:
+        if job.staging is not None:
+            self._arena.free(job.staging)
+            job.staging = None
+        skipped = job.skipped + sum(1 for s in statuses.values() if s is Status.EXISTS)
+        self._publish(JobResult(job.job_id, job.kind, statuses, frozenset(), skipped, nbytes,
+                                time.monotonic() - job.submitted))  # fmt: skip
+
+    def _finish_load(self, job: _Job, statuses: dict[str, Status]) -> None:
+        failed = [c.chunk for c in job.chunks if not statuses[c.key].ok]
+        invalid: set[int] = set()
+        if failed:
+            first = min(failed)
+            for c in job.chunks:
+                if c.chunk >= first:
+                    invalid.update(c.block_ids)
+        ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
+        nbytes = sum(self._object_nbytes(c) for c in ok_chunks)
+        with self._stats_lock:
+            self._stats.chunks_loaded += len(ok_chunks)
+            self._stats.bytes_loaded += nbytes
+            self._stats.failures.update(s.value for s in statuses.values() if not s.ok)
+        self._publish(JobResult(job.job_id, "load", statuses, frozenset(invalid), 0, nbytes,
+                                time.monotonic() - job.submitted))  # fmt: skip
+
+    def _publish(self, result: JobResult) -> None:
+        with self._done_cond:
+            self._done.append(result)
+            self._done_cond.notify_all()

@@ -1,0 +1,242 @@
+"""TransferEngine over the in-memory store: layouts, striping, reuse, failures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.keys import KeySpace
+from kvpool.kvcache import block_runs, describe_group
+from kvpool.layout import Layout
+from kvpool.plan import chunk_hashes
+from kvpool.store.base import KVStore, Status
+from kvpool.store.memory import MemoryStore
+from kvpool.transfer import ChunkRef, StagingArena, TransferEngine
+
+NB, BS = 64, 32  # blocks, tokens per block
+
+
+def cpu_layers(n: int, heads: int = 2, head: int = 32) -> list[tuple[str, torch.Tensor]]:
+    """vLLM CPU backend: one allocation, per layer [blocks, 2, block_size, heads*head]."""
+    per = NB * 2 * BS * heads * head
+    cache = torch.empty(n * per, dtype=torch.float32)
+    return [(f"l{i}", cache[i * per : (i + 1) * per].view(NB, 2, BS, heads * head))
+            for i in range(n)]  # fmt: skip
+
+
+def flash_layers(n: int) -> list[tuple[str, torch.Tensor]]:
+    """GPU flash-attention style: per layer [2, blocks, block_size, heads, head]."""
+    return [(f"l{i}", torch.empty(2, NB, BS, 2, 32, dtype=torch.bfloat16)) for i in range(n)]
+
+
+def mla_layers(n: int) -> list[tuple[str, torch.Tensor]]:
+    """MLA: per layer [blocks, block_size, latent]."""
+    return [(f"l{i}", torch.empty(NB, BS, 96, dtype=torch.float16)) for i in range(n)]
+
+
+LAYOUTS: dict[str, Callable[[int], list[tuple[str, torch.Tensor]]]] = {
+    "cpu": cpu_layers,
+    "flash": flash_layers,
+    "mla": mla_layers,
+}
+
+
+def randomize(layers: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _, t in layers:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def blocks_of(layers: list[tuple[str, torch.Tensor]], ids: list[int]) -> list[torch.Tensor]:
+    out = []
+    for _, t in layers:
+        dim = 1 if t.shape[0] == 2 and t.shape[1] == NB else 0
+        out.append(t.index_select(dim, torch.tensor(ids)).clone())
+    return out
+
+
+@pytest.fixture
+def store() -> Iterator[KVStore]:
+    s = MemoryStore(capacity=1 << 30)
+    yield s
+    s.close()
+
+
+def engine(store: KVStore, layers: list[tuple[str, torch.Tensor]], **kw: object) -> TransferEngine:
+    return TransferEngine(store, [layers], NB, staging_bytes=64 << 20, **kw)  # type: ignore[arg-type]
+
+
+def test_block_runs_of_known_layouts() -> None:
+    assert block_runs((NB, 2, BS, 64), (2 * BS * 64, BS * 64, 64, 1), 4, 0) == (
+        (0, 2 * BS * 64 * 4),
+    )
+    k, v = block_runs((2, NB, BS, 2, 32), (NB * BS * 64, BS * 64, 64, 32, 1), 2, 1)
+    assert k == (0, BS * 64 * 2) and v == (NB * BS * 64 * 2, BS * 64 * 2)
+
+
+def test_one_allocation_is_one_region() -> None:
+    spec = describe_group(cpu_layers(4), NB)
+    assert len(spec.regions) == 1
+    assert spec.block_nbytes == 4 * 2 * BS * 64 * 4
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("load_mode", ["direct", "staged"])
+def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str) -> None:
+    src = LAYOUTS[kind](3)
+    randomize(src, 1)
+    chunks = [ChunkRef(f"k{i}", 0, i, (2 * i + 5, 2 * i + 6)) for i in range(8)]
+    with_engine = engine(store, src)
+    assert with_engine.submit_save("s", chunks)
+    (res,) = with_engine.wait(["s"], timeout=30)
+    with_engine.close()
+    assert res.ok and set(res.statuses.values()) == {Status.OK}
+
+    dst = LAYOUTS[kind](3)
+    randomize(dst, 2)
+    reader = engine(store, dst, load_mode=load_mode)
+    # Load into other blocks than those saved from.
+    targets = [ChunkRef(c.key, 0, c.chunk, (40 + 2 * c.chunk, 41 + 2 * c.chunk)) for c in chunks]
+    reader.submit_load("l", targets)
+    (res,) = reader.wait(["l"], timeout=30)
+    reader.close()
+    assert res.ok and not res.invalid_block_ids
+    for c, t in zip(chunks, targets, strict=True):
+        for a, b in zip(blocks_of(src, list(c.block_ids)), blocks_of(dst, list(t.block_ids)),
+                        strict=True):  # fmt: skip
+            assert torch.equal(a, b)
+
+
+def test_striped_ranks_write_shares_and_a_fresh_rank_reads_all(store: KVStore) -> None:
+    """Four TP ranks of an MLA model hold the same bytes; each writes its quarter."""
+    layout = Layout.create(tp=4, groups=["mla"])
+    space = KeySpace.create(model="m", layout=layout, kv_dtype="f16", model_dtype="f16",
+                            chunk_size=2 * BS, head_size=96, num_layers=2)  # fmt: skip
+    hashes = chunk_hashes(12)
+    content = layout.content(0, 0)
+    keys = [space.key(content, h) for h in hashes]
+    src = mla_layers(2)
+    randomize(src, 3)
+    written = []
+    for rank in layout.ranks:
+        mine = layout.chunks_written(rank, 0, range(12))
+        e = engine(store, src)
+        e.submit_save(rank, [ChunkRef(keys[k], 0, k, (2 * k, 2 * k + 1)) for k in mine])
+        (res,) = e.wait([rank], timeout=30)
+        e.close()
+        assert res.ok
+        written += mine
+    assert sorted(written) == list(range(12))
+    dst = mla_layers(2)
+    reader = engine(store, dst)
+    reader.submit_load("all", [ChunkRef(keys[k], 0, k, (2 * k, 2 * k + 1)) for k in range(12)])
+    (res,) = reader.wait(["all"], timeout=30)
+    reader.close()
+    assert res.ok
+    for (_, a), (_, b) in zip(src, dst, strict=True):
+        assert torch.equal(a[:24], b[:24])
+
+
+def test_blocks_reused_after_submit_do_not_change_what_is_stored(store: KVStore) -> None:
+    src = cpu_layers(2)
+    randomize(src, 4)
+    before = blocks_of(src, [3, 4])
+    e = engine(store, src)
+    e.submit_save("s", [ChunkRef("reused", 0, 0, (3, 4))])
+    # The engine frees the blocks and another request overwrites them at once.
+    for _, t in src:
+        t[3:5].fill_(7.0)
+    (res,) = e.wait(["s"], timeout=30)
+    assert res.ok
+    dst = cpu_layers(2)
+    e2 = engine(store, dst)
+    e2.submit_load("l", [ChunkRef("reused", 0, 0, (9, 10))])
+    (res,) = e2.wait(["l"], timeout=30)
+    e.close()
+    e2.close()
+    assert res.ok
+    for a, b in zip(before, blocks_of(dst, [9, 10]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_missing_chunk_invalidates_it_and_every_later_chunk(store: KVStore) -> None:
+    src = cpu_layers(1)
+    randomize(src, 5)
+    e = engine(store, src)
+    chunks = [ChunkRef(f"c{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(6)]
+    e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    assert store.batch_remove(["c2"], force=True) == [Status.OK]
+    e.forget(["c2"])
+    e.submit_load("l", chunks)
+    (res,) = e.wait(["l"], timeout=30)
+    e.close()
+    assert res.statuses["c2"] is Status.MISSING
+    assert res.invalid_block_ids == frozenset(range(4, 12))
+
+
+def test_corrupt_object_is_invalid_and_staged_load_leaves_kv_untouched() -> None:
+    from kvpool.store.framed import FramedStore
+
+    inner = MemoryStore(capacity=1 << 28)
+    framed = FramedStore(inner, "00" * 8)
+    src = cpu_layers(1)
+    randomize(src, 6)
+    e = engine(framed, src)
+    e.submit_save("s", [ChunkRef("x", 0, 0, (1, 2))])
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.close()
+    other = FramedStore(MemoryStore(capacity=1 << 28), "11" * 8)  # another fingerprint
+    # Copy the raw object (header + payload) under the same key into the other store.
+    n = 64 + 2 * 2 * BS * 64 * 4
+    raw = np.empty(n, dtype=np.uint8)
+    assert inner.batch_get(["x"], [[(raw.ctypes.data, n)]]) == [Status.OK]
+    assert other.inner.batch_put(["x"], [[(raw.ctypes.data, n)]]) == [Status.OK]
+    dst = cpu_layers(1)
+    dst[0][1].fill_(3.0)
+    r = engine(other, dst, load_mode="staged")
+    r.submit_load("l", [ChunkRef("x", 0, 0, (1, 2))])
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    framed.close()
+    other.close()
+    assert res.statuses["x"] is Status.CORRUPT
+    assert res.invalid_block_ids == {1, 2}
+    assert bool((dst[0][1] == 3.0).all())  # nothing written into the KV cache
+
+
+def test_no_space_switches_to_backpressure_then_recovers() -> None:
+    block = 2 * BS * 64 * 4
+    store = MemoryStore(capacity=block + block // 2)  # a one-block object fits, two do not
+    src = cpu_layers(1)
+    randomize(src, 7)
+    e = TransferEngine(store, [src], NB, staging_bytes=16 << 20, backoff_s=(0.2, 0.4))
+    e.submit_save("big", [ChunkRef("big", 0, 0, (0, 1))])
+    (res,) = e.wait(["big"], timeout=30)
+    assert res.statuses == {"big": Status.NO_SPACE}
+    assert e.in_backpressure
+    assert e.submit_save("during", [ChunkRef("small", 0, 0, (2,))]) is False
+    stats = e.stats()
+    assert stats.saves_refused["backpressure"] == 1 and stats.backpressure_events == 1
+    time.sleep(0.25)  # the back-off is a timer: let it run out
+    assert e.submit_save("after", [ChunkRef("small", 0, 0, (2,))])
+    assert e.wait(["after"], timeout=30)[0].statuses == {"small": Status.OK}
+    e.close()
+    store.close()
+
+
+def test_staging_arena_wraps_and_refuses_when_full() -> None:
+    a = StagingArena(1024, align=64)
+    x = a.alloc(512)
+    y = a.alloc(256)
+    assert (x, y) == (0, 512)
+    assert a.alloc(512) is None
+    a.free(0)
+    assert a.alloc(448) == 0  # wraps to the front
+    assert a.alloc(2048) is None
+    a.free(512)
+    assert a.used == 448

@@ -2,6 +2,11 @@
 
     build_plan(layout, space, n)  -> Plan: puts, gets and lookup keys for chunks
                                      0..n-1, per-rank shares and totals
+    probe_keys(layout, space, hs) -> per chunk, the keys a lookup must find (every
+                                     distinct content of every group: exactly the
+                                     keys that the ranks will read)
+    hit_chunks(present, per_chunk)-> length of the prefix of chunks whose keys are
+                                     all present
     reference_totals(layout)      -> Totals under vLLM's in-tree connector rule
                                      (de-dup switched off whenever dcp > 1)
     chunk_hashes(n)               -> n chained synthetic chunk hashes
@@ -13,12 +18,23 @@ the property tests check its invariants over every layout.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupKind, Layout, RankCoords
 
-__all__ = ["KeyIO", "Plan", "RankShare", "Totals", "build_plan", "chunk_hashes", "reference_totals"]
+__all__ = [
+    "KeyIO",
+    "Plan",
+    "RankShare",
+    "Totals",
+    "build_plan",
+    "chunk_hashes",
+    "hit_chunks",
+    "probe_keys",
+    "reference_totals",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +96,28 @@ def chunk_hashes(n: int, seed: bytes = b"kvpool-plan") -> list[bytes]:
     return out
 
 
+def probe_keys(
+    layout: Layout, space: KeySpace, hashes: Sequence[bytes | str]
+) -> list[tuple[str, ...]]:
+    """For each chunk hash, the keys a lookup must find: one per distinct content
+    of every group. These are exactly the keys the ranks read (``Layout.content``)."""
+    contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
+    return [tuple(space.key(c, h) for c in contents) for h in hashes]
+
+
+def hit_chunks(present: Sequence[bool], per_chunk: int) -> int:
+    """Chunks in the longest prefix whose ``per_chunk`` keys are all present.
+
+    ``present`` is the flattened answer for ``probe_keys`` (chunk-major).
+    """
+    if per_chunk < 1 or len(present) % per_chunk:
+        raise ValueError("present must hold per_chunk answers for every chunk")
+    for i in range(len(present) // per_chunk):
+        if not all(present[i * per_chunk : (i + 1) * per_chunk]):
+            return i
+    return len(present) // per_chunk
+
+
 def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:
     """Every put, get and lookup key for chunks ``0..chunks-1`` of one prompt."""
     hashes = chunk_hashes(chunks)
@@ -95,11 +133,11 @@ def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:
             for k in layout.chunks_written(r, g, range(chunks)):
                 puts.append(KeyIO(r, g, k, space.key(content, hashes[k])))
             gets.extend(KeyIO(r, g, k, space.key(content, hashes[k])) for k in range(chunks))
+    groups_of = [c.group for g in groups for c in layout.contents(g)]
     lookups = [
-        KeyIO(-1, g, k, space.key(c, hashes[k]))
-        for g in groups
-        for c in layout.contents(g)
-        for k in range(chunks)
+        KeyIO(-1, groups_of[i], k, key)
+        for k, keys in enumerate(probe_keys(layout, space, hashes))
+        for i, key in enumerate(keys)
     ]
     distinct = sum(len(layout.contents(g)) for g in groups)
     totals = Totals(distinct, distinct, distinct)

@@ -1,0 +1,349 @@
+"""The lookup server of one DP engine: how many prompt tokens are in the pool?
+
+    LookupServer(endpoint, store, layout, space, chunk_size)
+                               validate; binds nothing, starts no thread
+    server.start()             bind the endpoint (IPC: take its lock, clear a stale
+                               socket file) and start the serving thread; raises
+                               ``LookupEndpointInUse`` or ``ConfigError``
+    server.suppress(keys, ttl) answer ``keys`` as missing for ``ttl`` seconds (keys
+                               whose load failed, so a failed load never loops);
+                               any thread may call it
+    server.close(timeout_s)    stop the thread, close the socket, unlink the IPC
+                               socket file and drop its lock; idempotent
+    server.stats               counters (``ServerStats``)
+    SupportsRemovePrefix       the optional store ability that ``reset`` needs
+
+Answers, one per request frame, always (a ``wire.ErrorReply`` for anything it
+cannot serve; the thread survives malformed, multipart, empty and huge frames):
+
+* ``LookupRequest`` -> ``LookupReply(hit_tokens)``: the chunks that may count are
+  the first ``min(len(chunk_hashes), (num_tokens - 1) // chunk_size)``, so only
+  whole chunks count and a full-prompt hit leaves the last token to compute.
+  Their keys are exactly the keys the ranks would read (``plan.probe_keys``:
+  every distinct content of every group), checked in **one**
+  ``store.batch_exists`` call (none when no chunk may count). ``hit_tokens``
+  is ``plan.hit_chunks(...) * chunk_size``: a chunk counts only if every
+  namespace of every group has it, and no suppressed key. If the prefix ends
+  at a chunk the store could not answer for (no key MISSING, some key
+  UNAVAILABLE), the reply is ``ErrorReply(store_unavailable)``.
+* ``ResetRequest`` -> ``ResetReply``: removes every object under
+  ``KeySpace.prefix`` through the store's ``remove_prefix`` and reports what it
+  did; ``ErrorReply(unsupported)`` for a store without that ability. It runs
+  on the serving thread: lookups wait behind it.
+
+Threading: ``start`` and ``close`` come from the owner's thread; the serving
+thread alone uses the ZMQ socket. The store must accept calls from that thread
+(``KVStore`` requires thread safety).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import zmq
+
+from kvpool.errors import ConfigError, StoreError
+from kvpool.keys import KeySpace
+from kvpool.layout import Layout
+from kvpool.lookup import wire
+from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, PathLock
+from kvpool.plan import hit_chunks, probe_keys
+from kvpool.store.base import KVStore, Status
+
+__all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_HASH = bytes(range(1, 17))  # any hash: used to read the key templates
+_BURST = 64  # requests answered per wake-up before polling the stop signal again
+
+
+@runtime_checkable
+class SupportsRemovePrefix(Protocol):
+    """A store that can remove every object whose key starts with a prefix."""
+
+    def remove_prefix(self, prefix: str, force: bool = False) -> int:
+        """Remove them; return how many were removed. Objects under a read lease
+        are kept unless ``force``. Raises ``StoreError`` if the store cannot."""
+        ...
+
+
+@dataclass
+class ServerStats:
+    """What the server has answered since it started."""
+
+    lookups: int = 0  # LookupReply sent
+    hit_tokens: int = 0  # sum of hit_tokens answered
+    keys_probed: int = 0  # keys checked in the store
+    store_calls: int = 0  # batch_exists calls
+    resets: int = 0  # ResetReply sent
+    errors: Counter[str] = field(default_factory=Counter)  # ErrorReply sent, by code
+
+
+class LookupServer:
+    """Serves lookups for one DP engine. See the module docstring."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        store: KVStore,
+        layout: Layout,
+        space: KeySpace,
+        chunk_size: int,
+        *,
+        max_frame_bytes: int = wire.MAX_FRAME_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.endpoint = Endpoint.parse(endpoint)
+        self.store = store
+        self.layout = layout
+        self.space = space
+        self.chunk_size = chunk_size
+        self.max_frame_bytes = max_frame_bytes
+        self.stats = ServerStats()
+        self._clock = clock
+        self._templates = _key_templates(layout, space)
+        self._suppressed: dict[str, float] = {}  # key -> clock time it ends
+        self._suppress_lock = threading.Lock()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._wake: zmq.Socket[bytes] | None = None  # owner's end of the stop signal
+        self._thread: threading.Thread | None = None
+        self._lock: PathLock | None = None
+        self._bound = ""
+
+    @property
+    def bound_url(self) -> str:
+        """The URL actually bound (a tcp port 0 resolved); "" before ``start``."""
+        return self._bound
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind and start serving. Raises ``LookupEndpointInUse`` if the endpoint is
+        served already, ``ConfigError`` if it cannot be bound; starts nothing then."""
+        if self._thread is not None:
+            raise RuntimeError("LookupServer.start() called twice")
+        lock = PathLock.acquire(self.endpoint) if self.endpoint.kind == "ipc" else None
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        wake_url = f"inproc://kvpool-lookup-stop-{id(self):x}"
+        try:
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # A memory guard only: frames over max_frame_bytes get an ErrorReply, but
+            # ZMQ drops a peer that sends more than four times that in one message.
+            sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+            stop = ctx.socket(zmq.PAIR)
+            stop.bind(wake_url)
+            wake = ctx.socket(zmq.PAIR)
+            wake.connect(wake_url)
+            sock.bind(self.endpoint.bind_url)
+        except zmq.ZMQError as exc:
+            ctx.destroy(linger=0)
+            if lock is not None:
+                lock.release()
+            if exc.errno == zmq.EADDRINUSE:
+                raise LookupEndpointInUse(f"{self.endpoint.url} is in use: {exc}") from None
+            raise ConfigError(f"cannot bind lookup endpoint {self.endpoint.url}: {exc}") from None
+        self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ctx, self._wake, self._lock = ctx, wake, lock
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(sock, stop),
+            name=f"kvpool-lookup-dp{self.layout.dp_index}",
+            daemon=True,  # never hold up interpreter exit; close() still joins it
+        )
+        self._thread.start()
+        logger.info("kvpool: lookup server listening on %s", self._bound)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread (waiting up to ``timeout_s`` for a store call in flight),
+        close the socket, unlink the IPC socket file and drop its lock. Idempotent."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        assert self._wake is not None and self._ctx is not None
+        self._wake.send(b"")
+        thread.join(timeout_s)
+        self._wake.close(linger=0)
+        if thread.is_alive():
+            # Its sockets stay open with it; terminating the context would hang.
+            logger.error("kvpool: lookup server thread did not stop within %.1f s", timeout_s)
+        else:
+            self._ctx.term()
+        if self._lock is not None:
+            self._lock.release()
+        self._ctx = self._wake = self._lock = None
+        logger.info("kvpool: lookup server on %s closed", self._bound)
+
+    def __enter__(self) -> LookupServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- suppression ----------------------------------------------------------------
+
+    def suppress(self, keys: Iterable[str], ttl_s: float) -> None:
+        """Answer ``keys`` as missing for ``ttl_s`` seconds (a longer earlier TTL stays)."""
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        until = self._clock() + ttl_s
+        with self._suppress_lock:
+            for key in keys:
+                if self._suppressed.get(key, 0.0) < until:
+                    self._suppressed[key] = until
+
+    def _live_suppressed(self) -> set[str]:
+        with self._suppress_lock:
+            if not self._suppressed:
+                return set()
+            now = self._clock()
+            self._suppressed = {k: t for k, t in self._suppressed.items() if t > now}
+            return set(self._suppressed)
+
+    # -- answering ----------------------------------------------------------------
+
+    def answer(self, frame: bytes | memoryview) -> wire.Reply:
+        """The reply to one request frame (what the serving thread sends back).
+
+        Never raises: a bug becomes ``ErrorReply(internal)``, logged here.
+        """
+        msg = wire.decode_request(frame, self.max_frame_bytes)
+        try:
+            match msg:
+                case wire.LookupRequest():
+                    reply = self._lookup(msg)
+                case wire.ResetRequest():
+                    reply = self._reset(msg)
+                case wire.ErrorReply():
+                    reply = msg
+        except Exception:  # the thread must outlive any bug; the client gets a miss
+            logger.exception("kvpool: lookup server failed to answer %s", type(msg).__name__)
+            reply = wire.ErrorReply(
+                seq=msg.seq, code=wire.ErrorCode.INTERNAL, message="server error; see its log"
+            )
+        match reply:
+            case wire.LookupReply():
+                self.stats.lookups += 1
+                self.stats.hit_tokens += reply.hit_tokens
+            case wire.ResetReply():
+                self.stats.resets += 1
+            case wire.ErrorReply():
+                self.stats.errors[reply.code] += 1
+        return reply
+
+    def _lookup(self, req: wire.LookupRequest) -> wire.Reply:
+        chunk = self.chunk_size
+        usable = min(len(req.chunk_hashes), max(req.num_tokens - 1, 0) // chunk)
+        keys = self._keys(req.chunk_hashes[:usable])
+        per_chunk = len(self._templates)
+        suppressed = self._live_suppressed()
+        if suppressed:
+            first = next((i for i, k in enumerate(keys) if k in suppressed), len(keys))
+            keys = keys[: first - first % per_chunk]  # drop the chunk holding it, and all after
+        if not keys:
+            return wire.LookupReply(seq=req.seq, hit_tokens=0, keys_probed=0)
+        statuses = self.store.batch_exists(keys)
+        self.stats.store_calls += 1
+        self.stats.keys_probed += len(keys)
+        hit = hit_chunks([s is Status.OK for s in statuses], per_chunk)
+        if hit * per_chunk < len(keys):
+            stop = statuses[hit * per_chunk : (hit + 1) * per_chunk]
+            if Status.MISSING not in stop:
+                bad = next(s for s in stop if s is not Status.OK)
+                return wire.ErrorReply(
+                    seq=req.seq,
+                    code=wire.ErrorCode.STORE_UNAVAILABLE,
+                    message=f"the store answered {bad.name} for chunk {hit}",
+                )
+        return wire.LookupReply(seq=req.seq, hit_tokens=hit * chunk, keys_probed=len(keys))
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """Chunk-major keys of ``hashes``: what ``plan.probe_keys`` gives, flattened."""
+        return [t + h.hex() for h in hashes for t in self._templates]
+
+    def _reset(self, req: wire.ResetRequest) -> wire.Reply:
+        prefix = self.space.prefix
+        if not isinstance(self.store, SupportsRemovePrefix):
+            return wire.ErrorReply(
+                seq=req.seq,
+                code=wire.ErrorCode.UNSUPPORTED,
+                message=f"{type(self.store).__name__} cannot remove objects by key prefix "
+                "(no remove_prefix); nothing was removed",
+            )
+        try:
+            removed = self.store.remove_prefix(prefix, force=req.force)
+        except StoreError as exc:
+            logger.warning("kvpool: reset of %s failed: %s", prefix, exc)
+            return wire.ResetReply(seq=req.seq, ok=False, removed=0, message=str(exc))
+        logger.info("kvpool: reset removed %d objects under %s", removed, prefix)
+        kept = "" if req.force else " (objects under a read lease are kept)"
+        return wire.ResetReply(
+            seq=req.seq, ok=True, removed=removed, message=f"removed {removed} objects{kept}"
+        )
+
+    # -- serving thread ---------------------------------------------------------------
+
+    def _serve(self, sock: zmq.Socket[bytes], stop: zmq.Socket[bytes]) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if stop in ready:
+                    return
+                for _ in range(_BURST):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._reply(sock, frames)
+        except zmq.ZMQError:
+            logger.exception("kvpool: lookup server socket failed; lookups now miss")
+        finally:
+            sock.close(linger=0)
+            stop.close(linger=0)
+
+    def _reply(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Answer one ROUTER message: [peer identity, request frame]."""
+        peer, body = frames[0], frames[1:]
+        if len(body) == 1:
+            reply = self.answer(body[0])
+        else:
+            seq = wire.decode_request(body[0]).seq if body else -1
+            reply = wire.ErrorReply(
+                seq=seq,
+                code=wire.ErrorCode.MALFORMED,
+                message=f"expected one frame per request, got {len(body)}",
+            )
+            self.stats.errors[reply.code] += 1
+        try:
+            sock.send_multipart([peer, wire.encode_reply(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer is gone or not reading: drop the reply
+            logger.debug("kvpool: lookup reply dropped: %s", exc)
+
+
+def _key_templates(layout: Layout, space: KeySpace) -> tuple[str, ...]:
+    """Per distinct content (``probe_keys`` order), its key without the hash hex.
+
+    ``probe_keys`` formats every key from scratch (microseconds each); a lookup
+    of a long prompt on a wide layout probes thousands, so the server reads the
+    templates once and appends each hash's hex. Checked against ``probe_keys``.
+    """
+    (sample,) = probe_keys(layout, space, [_PROBE_HASH])
+    suffix = _PROBE_HASH.hex()
+    templates = tuple(k.removesuffix(suffix) for k in sample)
+    other = bytes(reversed(_PROBE_HASH))
+    if tuple(t + other.hex() for t in templates) != probe_keys(layout, space, [other])[0]:
+        raise RuntimeError("kvpool keys no longer end in the chunk hash; update _key_templates")
+    return templates

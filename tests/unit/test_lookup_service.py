@@ -1,0 +1,725 @@
+"""Lookup server and client over real ZMQ sockets, against the memory store.
+
+Hits are checked against the keys the ranks read (``Layout.content`` of every
+rank and group), computed here without the server's help.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpool.errors import ConfigError
+from kvpool.keys import KeySpace, lookup_endpoint
+from kvpool.layout import Layout
+from kvpool.lookup import wire
+from kvpool.lookup.client import LookupClient
+from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse
+from kvpool.lookup.server import LookupServer, SupportsRemovePrefix
+from kvpool.plan import chunk_hashes, probe_keys
+from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.memory import MemoryStore
+
+CHUNK = 16
+MLA_DCP = Layout.create(tp=4, dcp=2, groups=("mla",))  # 2 namespaces
+HYBRID = Layout.create(tp=4, dcp=2, groups=("gqa:2", "mla"))  # 4 + 2 namespaces
+LAYOUTS = {"tp4-mla-dcp2": MLA_DCP, "tp4-dcp2-gqa2+mla": HYBRID}
+
+_ONE = np.ones(8, dtype=np.uint8)
+
+
+def space_of(layout: Layout, model: str = "org/lookup-test") -> KeySpace:
+    return KeySpace.create(
+        model=model,
+        layout=layout,
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=CHUNK,
+        head_size=64,
+        num_layers=2,
+    )
+
+
+def read_keys(layout: Layout, space: KeySpace, chunk_hash: bytes) -> list[str]:
+    """Every key some rank reads for this chunk (the reference for a hit)."""
+    keys = {
+        space.key(layout.content(r, g), chunk_hash)
+        for r in layout.ranks
+        for g in range(len(layout.groups))
+    }
+    return sorted(keys)
+
+
+def put(store: KVStore, keys: Sequence[str]) -> None:
+    statuses = store.batch_put(list(keys), [[(_ONE.ctypes.data, _ONE.nbytes)]] * len(keys))
+    assert all(s.stored for s in statuses)
+
+
+def put_chunks(store: KVStore, layout: Layout, space: KeySpace, hashes: Sequence[bytes]) -> None:
+    put(store, [k for h in hashes for k in read_keys(layout, space, h)])
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds or the deadline passes."""
+    end = time.monotonic() + timeout_s
+    done = threading.Event()
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        done.wait(0.005)
+    return True
+
+
+class CountingStore(MemoryStore):
+    """Counts public ``batch_exists`` calls; splits them into tiny backend batches."""
+
+    max_batch = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.exists_calls = 0
+
+    def batch_exists(self, keys: Sequence[str]) -> list[Status]:
+        self.exists_calls += 1
+        return super().batch_exists(keys)
+
+
+class GatedStore(MemoryStore):
+    """``batch_exists`` waits for ``gate`` (set ``entered`` first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def batch_exists(self, keys: Sequence[str]) -> list[Status]:
+        self.entered.set()
+        assert self.gate.wait(10), "test never opened the gate"
+        return super().batch_exists(keys)
+
+
+class PlainStore(KVStore):
+    """A store without ``remove_prefix``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = MemoryStore()
+
+    def _exists(self, keys: Sequence[str]) -> list[Status]:
+        return self.inner.batch_exists(keys)
+
+    def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self.inner.batch_put(keys, segments)
+
+    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self.inner.batch_get(keys, segments)
+
+    def _remove(self, keys: Sequence[str], force: bool) -> list[Status]:
+        return self.inner.batch_remove(keys, force)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    """A short folder for IPC sockets (paths are limited to 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="kvl-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def endpoint(run_dir: str) -> str:
+    return lookup_endpoint(run_dir, "test", 0)
+
+
+class Service:
+    """Starts servers and clients for one test; closes them all at teardown."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.servers: list[LookupServer] = []
+        self.clients: list[LookupClient] = []
+
+    def server(
+        self,
+        store: KVStore,
+        layout: Layout = MLA_DCP,
+        space: KeySpace | None = None,
+        endpoint: str | None = None,
+        **kwargs: object,
+    ) -> LookupServer:
+        server = LookupServer(
+            endpoint or self.endpoint,
+            store,
+            layout,
+            space or space_of(layout),
+            CHUNK,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.servers.append(server)
+        server.start()
+        return server
+
+    def client(self, endpoint: str | None = None, **kwargs: object) -> LookupClient:
+        kwargs.setdefault("timeout_ms", 2000.0)
+        client = LookupClient(endpoint or self.endpoint, **kwargs)  # type: ignore[arg-type]
+        self.clients.append(client)
+        return client
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for s in self.servers:
+            s.close()
+
+
+@pytest.fixture
+def service(endpoint: str) -> Iterator[Service]:
+    svc = Service(endpoint)
+    try:
+        yield svc
+    finally:
+        svc.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvpool-lookup")]
+
+
+# ---------------------------------------------------------------------------- hits
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_hits_of_nothing_a_prefix_and_everything(service: Service, name: str) -> None:
+    layout = LAYOUTS[name]
+    space = space_of(layout)
+    store = MemoryStore()
+    service.server(store, layout, space)
+    client = service.client()
+    hashes = chunk_hashes(6, seed=name.encode())
+    tokens = 6 * CHUNK + 1  # one token past the last chunk: every chunk may count
+    assert client.lookup("r0", hashes, tokens) == 0
+    put_chunks(store, layout, space, hashes[:3])
+    assert client.lookup("r1", hashes, tokens) == 3 * CHUNK
+    put_chunks(store, layout, space, hashes[3:])
+    assert client.lookup("r2", hashes, tokens) == 6 * CHUNK
+    assert client.stats.misses == {}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_chunk_counts_only_if_every_namespace_of_every_group_has_it(
+    service: Service, name: str
+) -> None:
+    layout = LAYOUTS[name]
+    space = space_of(layout)
+    store = MemoryStore()
+    server = service.server(store, layout, space)
+    client = service.client()
+    n = 4
+    namespaces = len(read_keys(layout, space, b"\x00"))
+    assert namespaces == sum(len(layout.contents(g)) for g in range(len(layout.groups)))
+    for chunk in range(n):
+        for hole in range(namespaces):
+            hashes = chunk_hashes(n, seed=f"{name}/{chunk}/{hole}".encode())
+            keys = [k for h in hashes for k in read_keys(layout, space, h)]
+            del keys[chunk * namespaces + hole]
+            put(store, keys)
+            assert client.lookup("r", hashes, n * CHUNK + 1) == chunk * CHUNK, (chunk, hole)
+    assert server.stats.store_calls == n * namespaces
+
+
+def test_a_full_prompt_hit_leaves_the_last_token_to_compute(service: Service) -> None:
+    space = space_of(MLA_DCP)
+    store = CountingStore()
+    server = service.server(store, MLA_DCP, space)
+    client = service.client()
+    hashes = chunk_hashes(6)
+    put_chunks(store, MLA_DCP, space, hashes)
+    assert client.lookup("r", hashes, 6 * CHUNK) == 5 * CHUNK  # exact fit: last chunk dropped
+    assert client.lookup("r", hashes, 6 * CHUNK + 1) == 6 * CHUNK
+    assert client.lookup("r", hashes, 6 * CHUNK + 9) == 6 * CHUNK  # a partial chunk never counts
+    assert client.lookup("r", hashes, 3 * CHUNK + 5) == 3 * CHUNK  # hashes past the prompt
+    assert server.stats.keys_probed == (5 + 6 + 6 + 3) * 2
+    # Nothing could count: the store is not asked at all.
+    calls = store.exists_calls
+    assert client.lookup("r", hashes, CHUNK) == 0
+    assert client.lookup("r", hashes, 1) == 0
+    assert client.lookup("r", [], 100) == 0
+    assert store.exists_calls == calls
+
+
+def test_exactly_one_batch_exists_per_lookup(service: Service) -> None:
+    space = space_of(HYBRID)
+    store = CountingStore()  # its backend batches hold 4 keys; the call is still one
+    service.server(store, HYBRID, space)
+    client = service.client()
+    hashes = chunk_hashes(20)
+    put_chunks(store, HYBRID, space, hashes[:11])
+    for i in range(5):
+        assert client.lookup(f"r{i}", hashes, 20 * CHUNK + 1) == 11 * CHUNK
+    assert store.exists_calls == 5
+
+
+# ---------------------------------------------------------------------------- suppression
+
+
+def test_suppressed_keys_read_missing_until_their_ttl_ends(service: Service) -> None:
+    clock = Clock()
+    space = space_of(HYBRID)
+    store = MemoryStore()
+    server = service.server(store, HYBRID, space, clock=clock)
+    client = service.client()
+    hashes = chunk_hashes(5)
+    put_chunks(store, HYBRID, space, hashes)
+    failed = read_keys(HYBRID, space, hashes[2])[-1]
+    server.suppress([failed], ttl_s=30.0)
+    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 2 * CHUNK
+    clock.now += 29.9
+    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 2 * CHUNK
+    clock.now += 0.2
+    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 5 * CHUNK
+    with pytest.raises(ValueError, match="ttl_s"):
+        server.suppress([failed], ttl_s=0)
+
+
+# ---------------------------------------------------------------------------- reset
+
+
+def test_reset_removes_this_key_space_and_reports_it(service: Service) -> None:
+    clock = Clock()
+    store = MemoryStore(lease_s=5.0, clock=clock)
+    assert isinstance(store, SupportsRemovePrefix)
+    space, other = space_of(MLA_DCP), space_of(MLA_DCP, model="org/another-model")
+    service.server(store, MLA_DCP, space)
+    client = service.client()
+    hashes = chunk_hashes(3)
+    put_chunks(store, MLA_DCP, space, hashes)
+    put_chunks(store, MLA_DCP, other, hashes)
+    leased = read_keys(MLA_DCP, space, hashes[0])[0]
+    assert store.batch_exists([leased]) == [Status.OK]  # a read lease on one object
+    reply = client.reset()
+    assert isinstance(reply, wire.ResetReply)
+    assert (reply.ok, reply.removed) == (True, 5)
+    assert "lease" in reply.message
+    reply = client.reset(force=True)
+    assert isinstance(reply, wire.ResetReply) and (reply.ok, reply.removed) == (True, 1)
+    assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
+    assert len(store.keys()) == 6  # the other key space is untouched
+    assert all(key.startswith(other.prefix) for key in store.keys())  # noqa: SIM118
+
+
+def test_reset_on_a_store_without_remove_prefix_is_unsupported(service: Service) -> None:
+    store = PlainStore()
+    assert not isinstance(store, SupportsRemovePrefix)
+    space = space_of(MLA_DCP)
+    server = service.server(store, MLA_DCP, space)
+    client = service.client()
+    put_chunks(store, MLA_DCP, space, chunk_hashes(2))
+    reply = client.reset()
+    assert isinstance(reply, wire.ErrorReply)
+    assert reply.code == wire.ErrorCode.UNSUPPORTED and "remove_prefix" in reply.message
+    assert len(store.inner.keys()) == 4
+    assert server.stats.errors == {"unsupported": 1}
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+def test_a_store_that_cannot_answer_is_a_miss_with_its_reason(service: Service) -> None:
+    store = MemoryStore()
+    service.server(store)
+    client = service.client()
+    store.close()  # every key now reads UNAVAILABLE
+    assert client.lookup("r", chunk_hashes(3), 3 * CHUNK + 1) == 0
+    assert client.stats.misses == {"store_unavailable": 1}
+
+
+class BrokenStore(MemoryStore):
+    def batch_exists(self, keys: Sequence[str]) -> list[Status]:
+        raise RuntimeError("a bug in a store")
+
+
+def test_a_bug_below_the_server_is_an_internal_error_and_it_keeps_serving(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = service.server(BrokenStore())
+    client = service.client()
+    for _ in range(2):
+        assert client.lookup("r", chunk_hashes(2), 3 * CHUNK) == 0
+    assert client.stats.misses == {"internal": 2}
+    assert server.stats.errors == {"internal": 2}
+    assert "a bug in a store" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout.create(tp=1, groups=("gqa:8",)),
+        Layout.create(tp=8, groups=("gqa:2",)),
+        Layout.create(tp=8, pp=2, pcp=2, dcp=4, groups=("mla", "mamba")),
+        Layout.create(tp=16, groups=("gqa:4", "mha:32", "mla")),
+    ],
+    ids=str,
+)
+def test_the_server_probes_exactly_the_keys_of_probe_keys(endpoint: str, layout: Layout) -> None:
+    space = space_of(layout)
+    server = LookupServer(endpoint, MemoryStore(), layout, space, CHUNK)
+    hashes = [*chunk_hashes(5), b"\x00", b"\xff" * 64]
+    expected = [k for ks in probe_keys(layout, space, hashes) for k in ks]
+    assert server._keys(hashes) == expected
+    assert sorted(set(server._keys(hashes[:1]))) == read_keys(layout, space, hashes[0])
+
+
+def _raw_peer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+def _error_of(sock: zmq.Socket[bytes]) -> wire.ErrorReply:
+    reply = wire.decode_reply(sock.recv())
+    assert isinstance(reply, wire.ErrorReply)
+    return reply
+
+
+def test_garbage_frames_get_error_replies_and_the_server_keeps_serving(
+    service: Service,
+) -> None:
+    space = space_of(MLA_DCP)
+    store = MemoryStore()
+    server = service.server(store, MLA_DCP, space, max_frame_bytes=4096)
+    hashes = chunk_hashes(2)
+    put_chunks(store, MLA_DCP, space, hashes)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = _raw_peer(ctx, service.endpoint)
+    try:
+        cases: list[tuple[list[bytes], str]] = [
+            ([os.urandom(100)], "malformed"),
+            ([b""], "malformed"),
+            ([b"\x00" * 5000], "too_large"),
+            ([msgspec.msgpack.encode({"type": "flush", "seq": 3})], "unsupported"),
+            ([b"one", b"two", b"three"], "malformed"),
+        ]
+        reply = wire.LookupReply(seq=1, hit_tokens=1, keys_probed=1)
+        cases.append(([wire.encode_reply(reply)], "unsupported"))  # a reply is no request
+        for frames, code in cases:
+            sock.send_multipart(frames)
+            assert _error_of(sock).code == code, frames[0][:20]
+        good = wire.LookupRequest(seq=99, req_id="r", chunk_hashes=hashes, num_tokens=33)
+        sock.send(wire.encode_request(good))
+        assert wire.decode_reply(sock.recv()) == wire.LookupReply(
+            seq=99, hit_tokens=2 * CHUNK, keys_probed=4
+        )
+    finally:
+        sock.close()
+        ctx.term()
+    assert sum(server.stats.errors.values()) == len(cases)
+
+
+def test_random_frames_over_the_socket_never_kill_the_server(service: Service) -> None:
+    space = space_of(MLA_DCP)
+    store = MemoryStore()
+    service.server(store, MLA_DCP, space)
+    hashes = chunk_hashes(1)
+    put_chunks(store, MLA_DCP, space, hashes)
+    client = service.client()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = _raw_peer(ctx, service.endpoint)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(st.binary(max_size=300), min_size=1, max_size=3))
+    def one(frames: list[bytes]) -> None:
+        sock.send_multipart(frames)
+        reply = wire.decode_reply(sock.recv())
+        assert isinstance(reply, wire.ErrorReply | wire.LookupReply | wire.ResetReply)
+
+    try:
+        one()
+    finally:
+        sock.close()
+        ctx.term()
+    assert client.lookup("r", hashes, 2 * CHUNK) == CHUNK
+
+
+_SERVER_SCRIPT = """
+import sys
+import numpy as np
+from kvpool.keys import KeySpace
+from kvpool.layout import Layout
+from kvpool.lookup.server import LookupServer
+from kvpool.plan import chunk_hashes, probe_keys
+from kvpool.store.memory import MemoryStore
+
+layout = Layout.create(tp=4, dcp=2, groups=("mla",))
+space = KeySpace.create(model="org/lookup-test", layout=layout, kv_dtype="bfloat16",
+                        model_dtype="bfloat16", chunk_size=16, head_size=64, num_layers=2)
+store = MemoryStore()
+one = np.ones(8, dtype=np.uint8)
+keys = [k for ks in probe_keys(layout, space, chunk_hashes(int(sys.argv[2]))) for k in ks]
+store.batch_put(keys, [[(one.ctypes.data, 8)]] * len(keys))
+server = LookupServer(sys.argv[1], store, layout, space, 16)
+server.start()
+print("ready", flush=True)
+sys.stdin.read()
+server.close()
+"""
+
+
+def _spawn_server(endpoint: str, chunks: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVER_SCRIPT, endpoint, str(chunks)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30.0)
+    if not ready or proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        proc.wait()
+        pytest.fail("the lookup server process did not start")
+    return proc
+
+
+def test_a_killed_server_is_a_miss_within_the_deadline_and_a_new_one_is_found(
+    service: Service,
+) -> None:
+    hashes = chunk_hashes(4)
+    client = service.client(timeout_ms=50.0, max_backoff_s=0.05)
+    first = _spawn_server(service.endpoint, chunks=2)
+    second = None
+    try:
+        # The client was made first: it connects at its next reconnect attempt.
+        assert wait_until(lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 2 * CHUNK)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        assert Path(Endpoint.parse(service.endpoint).path).exists()  # left behind, stale
+        for _ in range(3):
+            began = time.monotonic()
+            assert client.lookup("r", hashes, 4 * CHUNK + 1) == 0
+            assert time.monotonic() - began < 0.05 + 0.5
+        assert set(client.stats.misses) <= {"unreachable", "timeout", "backoff", "rebuilt"}
+        second = _spawn_server(service.endpoint, chunks=4)  # takes over the stale socket
+        assert wait_until(lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 4 * CHUNK)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            if proc is not None:
+                proc.wait()
+                for pipe in (proc.stdin, proc.stdout):
+                    if pipe is not None:
+                        pipe.close()
+
+
+def test_a_closed_server_is_a_miss_and_a_restarted_one_answers(service: Service) -> None:
+    space = space_of(MLA_DCP)
+    store = MemoryStore()
+    hashes = chunk_hashes(3)
+    put_chunks(store, MLA_DCP, space, hashes)
+    first = service.server(store, MLA_DCP, space)
+    client = service.client(timeout_ms=50.0, max_backoff_s=0.05)
+    assert client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK
+    first.close()
+    assert not Path(Endpoint.parse(service.endpoint).path).exists()
+    began = time.monotonic()
+    assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
+    assert time.monotonic() - began < 0.05 + 0.5
+    service.server(store, MLA_DCP, space)
+    assert wait_until(lambda: client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK)
+
+
+def test_a_stuck_server_times_out_rebuilds_backs_off_and_drops_the_late_reply(
+    service: Service,
+) -> None:
+    store = GatedStore()
+    service.server(store)
+    client = service.client(timeout_ms=30.0, max_backoff_s=60.0)
+    hashes = chunk_hashes(2)
+    began = time.monotonic()
+    assert client.lookup("r", hashes, 3 * CHUNK) == 0
+    assert time.monotonic() - began < 0.03 + 0.5
+    assert store.entered.is_set()
+    assert client.stats.misses == {"timeout": 1} and client.stats.rebuilds == 1
+    assert client.lookup("r", hashes, 3 * CHUNK) == 0  # not sent while backing off
+    assert client.stats.misses == {"timeout": 1, "backoff": 1}
+    store.gate.set()  # the late reply goes to the old socket, which is gone
+
+
+# ---------------------------------------------------------------------------- async
+
+
+def test_async_lookups_answer_none_until_replied_then_the_hit_once(service: Service) -> None:
+    store = GatedStore()
+    space = space_of(MLA_DCP)
+    put_chunks(store, MLA_DCP, space, chunk_hashes(3))
+    service.server(store, MLA_DCP, space)
+    client = service.client(timeout_ms=10_000.0)
+    client.start("a", chunk_hashes(3), 3 * CHUNK + 1)
+    # Sent by start() if connected already, else by a later poll().
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    store.gate.set()
+    assert wait_until(lambda: client.poll("a") is not None)
+    assert client.stats.hit_tokens == 3 * CHUNK
+    assert client.poll("a") == 0  # answered once; now unknown
+    assert client.poll("never-started") == 0
+
+
+def test_async_cancel_drops_the_late_reply(service: Service) -> None:
+    store = GatedStore()
+    service.server(store)
+    client = service.client(timeout_ms=10_000.0)
+    client.start("a", chunk_hashes(2), 3 * CHUNK)
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    client.cancel("a")
+    store.gate.set()
+    # Replies come in order on one connection: "a"'s arrives first and is dropped.
+    assert client.lookup("b", chunk_hashes(1), 2 * CHUNK) == 0
+    assert client.stats.stale_replies == 1
+    assert client.stats.misses == {}
+    assert client.poll("a") == 0
+
+
+def test_async_lookup_past_its_deadline_is_a_miss(service: Service) -> None:
+    clock = Clock()
+    store = GatedStore()
+    service.server(store)
+    client = service.client(timeout_ms=20.0, clock=clock)
+    client.start("a", chunk_hashes(2), 3 * CHUNK)
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    clock.now += 0.021
+    assert client.poll("a") == 0
+    assert client.stats.misses == {"timeout": 1}
+    store.gate.set()
+
+
+# ---------------------------------------------------------------------------- endpoints
+
+
+def test_two_dp_engines_on_one_host_get_distinct_endpoints(service: Service, run_dir: str) -> None:
+    ends = [lookup_endpoint(run_dir, "test", dp) for dp in (0, 1)]
+    assert ends[0] != ends[1]
+    stores = [MemoryStore(), MemoryStore()]
+    space = space_of(MLA_DCP)
+    hashes = chunk_hashes(4)
+    for dp, store in enumerate(stores):
+        put_chunks(store, MLA_DCP, space, hashes[: dp + 1])
+        service.server(store, Layout.create(tp=4, dcp=2, dp_index=dp), space, endpoint=ends[dp])
+    answers = [service.client(ends[dp]).lookup("r", hashes, 4 * CHUNK + 1) for dp in (0, 1)]
+    assert answers == [CHUNK, 2 * CHUNK]
+
+
+def test_a_stale_socket_file_is_removed(service: Service) -> None:
+    path = Endpoint.parse(service.endpoint).path
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)
+    dead.close()  # the file stays, as after a crash
+    assert Path(path).is_socket()
+    store = MemoryStore()
+    service.server(store)
+    assert service.client().lookup("r", chunk_hashes(1), 2 * CHUNK) == 0
+    assert service.clients[0].stats.misses == {}
+
+
+def test_a_file_that_is_not_a_socket_is_never_deleted(service: Service) -> None:
+    path = Path(Endpoint.parse(service.endpoint).path)
+    path.write_text("not mine")
+    with pytest.raises(ConfigError, match="not a socket"):
+        service.server(MemoryStore())
+    assert path.read_text() == "not mine"
+
+
+def test_a_live_server_keeps_its_endpoint(service: Service) -> None:
+    space = space_of(MLA_DCP)
+    store = MemoryStore()
+    put_chunks(store, MLA_DCP, space, chunk_hashes(1))
+    service.server(store, MLA_DCP, space)
+    with pytest.raises(LookupEndpointInUse, match="another live lookup server"):
+        service.server(MemoryStore())
+    assert service.client().lookup("r", chunk_hashes(1), 2 * CHUNK) == CHUNK
+
+
+def test_tcp_endpoints_on_loopback(service: Service) -> None:
+    space = space_of(MLA_DCP)
+    store = MemoryStore()
+    put_chunks(store, MLA_DCP, space, chunk_hashes(2))
+    server = service.server(store, MLA_DCP, space, endpoint="tcp://127.0.0.1:0")
+    assert server.bound_url.startswith("tcp://127.0.0.1:")
+    client = service.client(server.bound_url)
+    assert client.lookup("r", chunk_hashes(2), 3 * CHUNK) == 2 * CHUNK
+    with pytest.raises(LookupEndpointInUse):
+        service.server(MemoryStore(), endpoint=server.bound_url)
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("ipc://relative.sock", "absolute"),
+        ("ipc:///" + "x" * 120, "107 bytes"),
+        ("tcp://localhost:5555", "IP address"),
+        ("tcp://127.0.0.1:99999", "port"),
+        ("tcp://127.0.0.1", "port"),
+        ("http://127.0.0.1:80", "ipc:///absolute/path or tcp://IP:PORT"),
+    ],
+)
+def test_bad_endpoints_are_refused(url: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        Endpoint.parse(url)
+
+
+def test_a_client_needs_a_port_and_a_positive_deadline() -> None:
+    with pytest.raises(ConfigError, match="port"):
+        LookupClient("tcp://127.0.0.1:0")
+    with pytest.raises(ConfigError, match="timeout_ms"):
+        LookupClient("tcp://127.0.0.1:5555", timeout_ms=0)
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+
+def test_the_constructor_starts_nothing_and_close_is_idempotent(endpoint: str) -> None:
+    server = LookupServer(endpoint, MemoryStore(), MLA_DCP, space_of(MLA_DCP), CHUNK)
+    assert not Path(Endpoint.parse(endpoint).path).exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvpool-lookup")]
+    server.close()
+    server.start()
+    with pytest.raises(RuntimeError, match="twice"):
+        server.start()
+    server.close()
+    server.close()
+    assert not Path(Endpoint.parse(endpoint).path).exists()
+    client = LookupClient(endpoint)
+    client.close()
+    client.close()
+    assert client.lookup("r", chunk_hashes(1), 2 * CHUNK) == 0
+    assert client.stats.misses == {"closed": 1}
+
+
+def test_chunk_size_must_be_positive(endpoint: str) -> None:
+    with pytest.raises(ConfigError, match="chunk_size"):
+        LookupServer(endpoint, MemoryStore(), MLA_DCP, space_of(MLA_DCP), 0)

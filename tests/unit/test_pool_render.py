@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvpool.cli.main import run
+from kvpool.cli.app import run
 from kvpool.cli.pool_cmd import (
     format_bytes,
     kv_transfer_config,

@@ -12,7 +12,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvpool`` command; returns the exit status."""
     try:
-        from kvpool.cli.main import run
+        from kvpool.cli.app import run
     except ImportError as exc:  # click or rich missing
         print(
             f"kvpool: the CLI needs click and rich ({exc}); run: pip install 'kvpool[cli]'",

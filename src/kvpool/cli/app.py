@@ -11,15 +11,16 @@ import logging
 import sys
 
 import click
-from rich.console import Console
 
 from kvpool.cli import render
+from kvpool.cli.bench_cmd import bench
+from kvpool.cli.console import console
+from kvpool.cli.demo_cmd import demo
+from kvpool.cli.pool_cmd import down, status, up
 from kvpool.errors import KVPoolError
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupSpec, Layout
 from kvpool.plan import build_plan
-
-console = Console()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -98,10 +99,14 @@ def plan(
     console.print(render.plan_totals_table(result))
 
 
+for command in (up, down, status, bench, demo):
+    cli.add_command(command)
+
+
 def run(argv: list[str] | None = None) -> int:
     """Run the CLI; map every error to one line on stderr and an exit status."""
     try:
-        cli.main(args=argv, prog_name="kvpool", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="kvpool", standalone_mode=False)
     except click.exceptions.Abort:
         print("kvpool: aborted", file=sys.stderr)
         return 130
@@ -111,12 +116,4 @@ def run(argv: list[str] | None = None) -> int:
     except KVPoolError as exc:
         print(f"kvpool: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
-    return 0
-
-
-# Pool commands live in their own module, which imports this one's console lazily.
-from kvpool.cli.pool_cmd import down, status, up  # noqa: E402
-
-cli.add_command(up)
-cli.add_command(down)
-cli.add_command(status)
+    return rv if isinstance(rv, int) else 0

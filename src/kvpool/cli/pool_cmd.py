@@ -34,7 +34,7 @@ from kvpool.pool import (
 
 
 def _console() -> Console:
-    from kvpool.cli.main import console  # at call time: main imports this module
+    from kvpool.cli.console import console
 
     return console
 

@@ -1,0 +1,1 @@
+"""Benchmarks that build result records; the CLI (``kvpool bench``) prints them."""

@@ -1,0 +1,235 @@
+"""Lookup latency as the scheduler sees it, over the socket, against a real pool.
+
+    LAYOUTS                                 named layouts the bench knows
+    run_lookup_bench(config, ...) -> LookupBench   measure; prints nothing
+
+For each layout and prompt length (tokens), it writes every key of the
+prompt's chunks (64-byte objects), starts a ``LookupServer`` on a thread of
+this process (as the connector does) on a temporary IPC endpoint, and times
+``LookupClient.lookup`` calls with ``time.perf_counter``: alternately a full
+hit (every chunk present; the answer is checked) and a full miss (hashes never
+written; every key is still probed). One untimed warm-up round first. Keys
+probed per lookup are ``(prompt - 1) // chunk_size`` chunks times the layout's
+namespaces.
+
+Per lookup it also reports server-side ``batch_exists`` calls (the service's
+promise: exactly one), the store's share of the latency (the median time of
+that call), and the store round trips: the master's own counter
+``master_batch_exist_key_requests_total`` over the timed lookups (None if the
+pool has no metrics URL). On a shared pool, other clients' probes inflate it.
+Written keys are removed (forced) after each case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpool.config import PoolConfig
+from kvpool.errors import StoreError
+from kvpool.keys import KeySpace, lookup_endpoint
+from kvpool.layout import Layout
+from kvpool.plan import chunk_hashes, probe_keys
+from kvpool.pool import master_metrics
+from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.mooncake import MooncakeStore
+
+if TYPE_CHECKING:
+    from kvpool.lookup.client import LookupClient
+
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "LAYOUTS",
+    "LookupBench",
+    "LookupCase",
+    "run_lookup_bench",
+]
+
+DEFAULT_PROMPTS = (1024, 3072, 8192, 32768)
+LAYOUTS: dict[str, Layout] = {
+    "tp1": Layout.create(tp=1, groups=("gqa:8",)),  # 1 namespace
+    "tp8-mla-dcp2": Layout.create(tp=8, dcp=2, groups=("mla",)),  # 2 namespaces
+    "tp8-gqa8": Layout.create(tp=8, groups=("gqa:8",)),  # 8 namespaces
+}
+_EXISTS_RPCS = "master_batch_exist_key_requests_total"
+_OBJECT = np.ones(64, dtype=np.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupCase:
+    """One layout and prompt length. Latencies in milliseconds, client side."""
+
+    layout: str  # a LAYOUTS name
+    prompt_tokens: int
+    keys_probed: int  # per lookup
+    hit_p50_ms: float
+    hit_p99_ms: float
+    miss_p50_ms: float
+    miss_p99_ms: float
+    store_p50_ms: float  # median duration of the server's batch_exists call
+    exists_calls_per_lookup: float  # server-side batch_exists calls (promised: 1)
+    round_trips_per_lookup: float | None  # master's batch-exist RPCs; None without metrics
+    failures: int  # lookups whose answer was not the expected one
+
+
+@dataclass(frozen=True, slots=True)
+class LookupBench:
+    cases: tuple[LookupCase, ...]
+    master_address: str
+    chunk_size: int
+    lookups: int  # timed lookups per case (half hits, half misses)
+
+
+class _TimedStore(KVStore):
+    """Passes each ``batch_exists`` whole to ``inner`` and times it."""
+
+    max_batch = sys.maxsize
+
+    def __init__(self, inner: KVStore) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.seconds: list[float] = []
+
+    def _exists(self, keys: Sequence[str]) -> list[Status]:
+        start = time.perf_counter()
+        out = self.inner.batch_exists(keys)
+        self.seconds.append(time.perf_counter() - start)
+        self.calls += 1
+        return out
+
+    def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self.inner.batch_put(keys, segments)
+
+    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self.inner.batch_get(keys, segments)
+
+    def _remove(self, keys: Sequence[str], force: bool) -> list[Status]:
+        return self.inner.batch_remove(keys, force)
+
+
+def _ms(seconds: Sequence[float], q: float) -> float:
+    ordered = sorted(seconds)
+    return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _exists_rpcs(config: PoolConfig) -> float | None:
+    if not config.metrics_url:
+        return None
+    return master_metrics(config.metrics_url).get(_EXISTS_RPCS)
+
+
+def run_lookup_bench(
+    config: PoolConfig,
+    prompts: Sequence[int] = DEFAULT_PROMPTS,
+    layouts: Sequence[str] = tuple(LAYOUTS),
+    chunk_size: int = 16,
+    lookups: int = 400,
+) -> LookupBench:
+    """Measure every layout and prompt length; raises ``StoreError`` if the pool
+    cannot be used, ``ValueError`` for an unknown layout or a bad size."""
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        raise ValueError(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
+    if chunk_size < 1 or lookups < 2 or any(p <= chunk_size for p in prompts):
+        raise ValueError("need chunk_size >= 1, lookups >= 2 and prompts longer than a chunk")
+    store = MooncakeStore(config)
+    try:
+        cases = tuple(
+            _case(store, config, name, prompt, chunk_size, lookups)
+            for name in layouts
+            for prompt in prompts
+        )
+    finally:
+        store.close()
+    return LookupBench(cases, config.master_address, chunk_size, lookups)
+
+
+@contextlib.contextmanager
+def _service(
+    store: KVStore, layout: Layout, space: KeySpace, chunk_size: int
+) -> Iterator[LookupClient]:
+    # pyzmq is an optional extra: imported only when measuring, not by `kvpool --help`.
+    from kvpool.lookup.client import LookupClient
+    from kvpool.lookup.server import LookupServer
+
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as run_dir:
+        endpoint = lookup_endpoint(run_dir, "bench", layout.dp_index)
+        server = LookupServer(endpoint, store, layout, space, chunk_size)
+        server.start()
+        client = LookupClient(endpoint, timeout_ms=1000.0)
+        try:
+            yield client
+        finally:
+            client.close()
+            server.close()
+
+
+def _case(
+    store: MooncakeStore,
+    config: PoolConfig,
+    name: str,
+    prompt: int,
+    chunk_size: int,
+    lookups: int,
+) -> LookupCase:
+    layout = LAYOUTS[name]
+    space = KeySpace.create(
+        model="kvpool-bench/lookup",
+        layout=layout,
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=chunk_size,
+        head_size=128,
+        num_layers=1,
+        extra={"run": uuid.uuid4().hex},  # a key space of its own
+    )
+    chunks = prompt // chunk_size
+    hit_hashes = chunk_hashes(chunks, seed=b"hit" + space.fingerprint.encode())
+    miss_hashes = chunk_hashes(chunks, seed=b"miss" + space.fingerprint.encode())
+    written = [k for ks in probe_keys(layout, space, hit_hashes) for k in ks]
+    segment = [(_OBJECT.ctypes.data, _OBJECT.nbytes)]
+    try:
+        if not all(s.stored for s in store.batch_put(written, [segment] * len(written))):
+            raise StoreError(f"could not write the bench's keys to {config.master_address}")
+        expected = (prompt - 1) // chunk_size * chunk_size
+        timed = _TimedStore(store)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        failures = 0
+        with _service(timed, layout, space, chunk_size) as client:
+            for i in range(4):  # warm-up: connect, first RPCs
+                client.lookup("warm", hit_hashes if i % 2 else miss_hashes, prompt)
+            timed.calls, timed.seconds = 0, []
+            before = _exists_rpcs(config)
+            for i in range(lookups):
+                hit = i % 2 == 0
+                start = time.perf_counter()
+                answer = client.lookup(f"r{i}", hit_hashes if hit else miss_hashes, prompt)
+                times[hit].append(time.perf_counter() - start)
+                failures += answer != (expected if hit else 0)
+            after = _exists_rpcs(config)
+    finally:
+        store.batch_remove(written, force=True)
+    round_trips = (after - before) / lookups if before is not None and after is not None else None
+    return LookupCase(
+        layout=name,
+        prompt_tokens=prompt,
+        keys_probed=(prompt - 1) // chunk_size * len(probe_keys(layout, space, [b"\x01"])[0]),
+        hit_p50_ms=_ms(times[True], 0.5),
+        hit_p99_ms=_ms(times[True], 0.99),
+        miss_p50_ms=_ms(times[False], 0.5),
+        miss_p99_ms=_ms(times[False], 0.99),
+        store_p50_ms=1000 * statistics.median(timed.seconds) if timed.seconds else 0.0,
+        exists_calls_per_lookup=timed.calls / lookups,
+        round_trips_per_lookup=round_trips,
+        failures=failures,
+    )

@@ -1,0 +1,130 @@
+"""``kvpool demo``: engines sharing prefixes through a pool, shown in one table.
+
+Runs ``kvpool.demo.run.run_demo`` with progress bars, prints a table per request
+(prompt tokens, tokens found cached by the cold and the warm engine, time to
+first token of each) and totals (bytes saved and loaded, lookups, pool keys),
+and exits 1 unless every warm output equals the cold one and the warm engine
+hit the pool. ``--plot`` writes a PNG of cold vs warm time to first token.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Group
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from kvpool.demo.run import DemoReport
+
+__all__ = ["demo", "demo_tables"]
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def demo_tables(report: DemoReport) -> Group:
+    """The per-request table and the totals, as one renderable."""
+    t = Table(title="kvpool demo: cold engine, then a fresh (warm) engine on the same pool")
+    for name in ("request", "prompt tokens", "cold cached", "warm cached", "cold TTFT",
+                 "warm TTFT", "speed-up", "same output"):  # fmt: skip
+        t.add_column(name, justify="left" if name == "request" else "right")
+    for r in report.rows:
+        speed = r.cold_ttft_s / r.warm_ttft_s if r.warm_ttft_s > 0 else 0.0
+        t.add_row(r.name, str(r.prompt_tokens), str(r.cold_cached), str(r.warm_cached),
+                  f"{r.cold_ttft_s * 1000:.0f} ms", f"{r.warm_ttft_s * 1000:.0f} ms",
+                  f"{speed:.1f}x", "yes" if r.identical else "[red]NO[/red]")  # fmt: skip
+    s = Table(title="totals")
+    s.add_column("")
+    s.add_column("cold", justify="right")
+    s.add_column("warm", justify="right")
+    cold_ttft = sum(r.cold_ttft_s for r in report.rows)
+    warm_ttft = sum(r.warm_ttft_s for r in report.rows)
+    s.add_row("tokens found cached", str(sum(r.cold_cached for r in report.rows)),
+              str(report.warm_hit_tokens))  # fmt: skip
+    s.add_row("tokens loaded from the pool", str(report.cold.get("hit_tokens", 0)),
+              str(report.warm.get("hit_tokens", 0)))  # fmt: skip
+    s.add_row("bytes saved to the pool", _mib(report.cold.get("bytes_saved", 0)),
+              _mib(report.warm.get("bytes_saved", 0)))  # fmt: skip
+    s.add_row("bytes loaded from the pool", _mib(report.cold.get("bytes_loaded", 0)),
+              _mib(report.warm.get("bytes_loaded", 0)))  # fmt: skip
+    s.add_row("lookups", str(report.cold.get("lookups", 0)), str(report.warm.get("lookups", 0)))
+    s.add_row("sum of TTFT", f"{cold_ttft:.2f} s", f"{warm_ttft:.2f} s")
+    s.add_row("pool after both", f"{report.pool_keys} keys", _mib(report.pool_bytes))
+    verdict = (
+        "[bold green]identical outputs; the warm engine loaded its prefixes from the pool"
+        if report.identical and report.warm.get("hit_tokens", 0) > 0
+        else "[bold red]check failed: outputs differ or the warm engine missed the pool"
+    )
+    return Group(t, s, verdict)
+
+
+def _plot(report: DemoReport, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from exc
+    names = [r.name for r in report.rows]
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4))
+    ax.bar([i - 0.2 for i in x], [r.cold_ttft_s * 1000 for r in report.rows], 0.4, label="cold")
+    ax.bar([i + 0.2 for i in x], [r.warm_ttft_s * 1000 for r in report.rows], 0.4, label="warm")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("kvpool: cold vs warm engine")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+@click.command()
+@click.option("--conversations", default=4, show_default=True, type=click.IntRange(1, 64))
+@click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--system-tokens", default=1024, show_default=True, type=click.IntRange(32, 3000))
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the model, logs and pool here (default: a temporary folder).")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a PNG of cold vs warm time to first token.")  # fmt: skip
+def demo(conversations: int, turns: int, system_tokens: int, workdir: Path | None,
+         plot: Path | None) -> None:  # fmt: skip
+    """Run a cold and a warm vLLM engine sharing prefixes through a private pool."""
+    from kvpool.cli.console import console
+    from kvpool.demo.run import run_demo
+
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise click.ClickException(f"kvpool demo needs vLLM ({exc}); run scripts/setup.sh") from exc
+    with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
+        folder = workdir or Path(tmp)
+        columns = (TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn())  # fmt: skip
+        with Progress(*columns, console=console, transient=False) as bars:
+            tasks: dict[str, TaskID] = {}
+
+            def on_progress(phase: str, done: int, total: int) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bars.add_task(phase, total=total)
+                bars.update(tasks[phase], completed=done, total=total)
+
+            report = run_demo(folder, conversations=conversations, turns=turns,
+                              system_tokens=system_tokens, on_progress=on_progress)  # fmt: skip
+        console.print(demo_tables(report))
+        if plot is not None:
+            _plot(report, plot)
+            console.print(f"plot written to {plot}")
+    if not (report.identical and report.warm.get("hit_tokens", 0) > 0):
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,80 @@
+"""Build a tiny random Llama and a byte-level BPE tokenizer in a folder, offline.
+
+    build_tiny_llama(folder, layers=2, hidden=128, heads=4, kv_heads=2, seed=0)
+
+vLLM's CPU attention needs head size >= 32 (hidden / heads). Weights are random
+(seeded), so outputs are meaningless but deterministic: good for comparing a
+run with the pool against one without. Needs ``transformers`` and
+``tokenizers`` (both come with vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["build_tiny_llama"]
+
+_CORPUS = [
+    f"the quick brown fox jumps over the lazy dog number {i} and the cat sat on mat {7 * i} " * 3
+    for i in range(2000)
+]
+
+
+def build_tiny_llama(
+    folder: str | Path,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    max_positions: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write the model and tokenizer into ``folder`` (reused if already built alike)."""
+    folder = Path(folder)
+    spec = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
+            "intermediate": intermediate, "max_positions": max_positions, "seed": seed}  # fmt: skip
+    stamp = folder / "kvpool-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return folder
+    if hidden // heads < 32:
+        raise ValueError("vLLM's CPU attention needs hidden / heads >= 32")
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        _CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=1000,
+            special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>", pad_token="<pad>")  # fmt: skip
+    tok.save_pretrained(folder)
+    cfg = LlamaConfig(
+        vocab_size=max(1024, len(tok)),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    stamp.write_text(json.dumps(spec))
+    return folder

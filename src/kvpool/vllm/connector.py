@@ -1,0 +1,222 @@
+"""``KVPoolConnector``: the vLLM v1 KV connector that vLLM loads by module path.
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+                           "kv_connector_module_path": "kvpool.vllm",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute"}'
+
+vLLM builds one instance per process and role. The scheduler role forwards to
+``SchedulerSide`` (lookups, load and save plans), the worker role to
+``WorkerSide`` (transfers); each hook here is a few lines. Loads are
+asynchronous (the request waits in WAITING_FOR_REMOTE_KVS); saves copy the
+blocks at the end of the forward and put them in the background, so vLLM may
+free blocks at once (``request_finished`` never delays frees).
+
+When the pool is not configured or not reachable, or the model uses something
+kvpool cannot pool yet, the connector logs one line saying why (and how to
+start a pool) and stays idle: lookups miss, nothing is saved, the engine serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from kvpool.config import PoolConfig, load_config
+from kvpool.errors import KVPoolError
+from kvpool.keys import lookup_endpoint
+from kvpool.store import open_store
+from kvpool.store.base import KVStore
+from kvpool.store.framed import FramedStore
+from kvpool.vllm.identity import EngineIdentity, engine_identity, worker_rank
+from kvpool.vllm.metadata import KVPoolMetadata
+from kvpool.vllm.scheduler import SchedulerSide
+from kvpool.vllm.settings import ConnectorSettings, parse_extra
+from kvpool.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVPoolConnector"]
+
+logger = logging.getLogger(__name__)
+
+
+def _framed(identity: EngineIdentity) -> Any:
+    def open_framed(pool: PoolConfig) -> KVStore:
+        return FramedStore(
+            open_store("mooncake", pool), identity.space.fingerprint, checksum=pool.checksum
+        )
+
+    return open_framed
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """Shares KV blocks between engines through a kvpool pool. See the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._closers: list[Any] = []
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # the base class checked it
+        if getattr(transfer, "kv_load_failure_policy", "fail") == "fail":
+            logger.warning(
+                "kvpool: kv_load_failure_policy is 'fail', so a pool fault fails requests; "
+                'set "kv_load_failure_policy": "recompute" to recompute instead'
+            )
+        try:
+            settings, pool_settings = parse_extra(transfer.kv_connector_extra_config)
+            identity = engine_identity(vllm_config, kv_cache_config, settings.chunk_size)
+            pool = load_config(pool_settings)
+            pool.require_master()
+            if role == KVConnectorRole.SCHEDULER:
+                self._sched = self._start_scheduler(identity, settings, pool)
+            else:
+                rank = worker_rank(identity.layout)
+                self._worker = WorkerSide(
+                    identity, rank, settings, pool, kv_cache_config, _framed(identity)
+                )
+        except KVPoolError as exc:
+            logger.error("kvpool: %s; the connector stays idle", exc)
+
+    def _start_scheduler(
+        self, identity: EngineIdentity, settings: ConnectorSettings, pool: PoolConfig
+    ) -> SchedulerSide:
+        from kvpool.lookup.client import LookupClient
+        from kvpool.lookup.server import LookupServer
+
+        run_dir = settings.run_dir or os.path.join(tempfile.gettempdir(), f"kvpool-{os.getuid()}")
+        os.makedirs(run_dir, exist_ok=True)
+        instance = settings.instance or identity.space.fingerprint[:12]
+        endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
+        store = open_store("mooncake", pool)
+        self._closers.append(store.close)
+        server = LookupServer(endpoint, store, identity.layout, identity.space, identity.chunk_size)
+        server.start()
+        self._closers.insert(0, server.close)
+        client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
+        self._closers.insert(0, client.close)
+        logger.info("kvpool: scheduler lookups at %s (pool %s)", endpoint, pool.master_address)
+        return SchedulerSide(identity, settings, client)
+
+    # ==============================
+    # Scheduler side
+    # ==============================
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            self._sched.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self._sched is None:
+            return 0, False
+        return self._sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if self._sched is not None:
+            self._sched.after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._sched is None:
+            return KVPoolMetadata()
+        return self._sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None:
+            self._sched.worker_output(connector_output.kv_connector_worker_meta)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._sched is not None:
+            self._sched.forget(request.request_id)
+        return False, None
+
+    # ==============================
+    # Worker side
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._worker is not None:
+            self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVPoolMetadata)
+            self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVPoolMetadata)
+            self._worker.start_saves(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.finished()
+        # With several KV groups, block ids are ambiguous: report failures per request.
+        multi = len(self._kv_cache_config.kv_cache_groups) > 1
+        return KVConnectorTransferResults(
+            finished_recving=done, failed_recving=failed if multi else set()
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._worker is None or len(self._kv_cache_config.kv_cache_groups) > 1:
+            return set()
+        return self._worker.load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        for close in self._closers:
+            try:
+                close()
+            except Exception:  # shutting down: log and go on closing the rest
+                logger.exception("kvpool: error while shutting down")
+        self._closers.clear()

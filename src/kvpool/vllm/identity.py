@@ -1,0 +1,142 @@
+"""What an engine is, in kvpool's terms, read from vLLM's real config and groups.
+
+    engine_identity(vllm_config, kv_cache_config, chunk_size)
+        -> EngineIdentity: the Layout (sizes, KV groups and their kinds), the
+           KeySpace (model + config fingerprint), block and chunk size, DP index;
+           or UnsupportedEngine with the reason
+    worker_rank(layout)  this worker's rank in the layout, from vLLM's process
+                         groups (TP, PP, PCP, DCP); checks the group construction
+
+The scheduler and every worker call ``engine_identity`` on the same config and
+so agree on every key. DP identity is ``parallel_config.data_parallel_index``
+(see ``kvpool.keys.dp_index_of``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import KVPoolError
+from kvpool.keys import KeySpace, dp_index_of
+from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
+
+__all__ = ["EngineIdentity", "UnsupportedEngine", "engine_identity", "worker_rank"]
+
+
+class UnsupportedEngine(KVPoolError):
+    """The engine uses something kvpool cannot pool yet; the connector stays idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    layout: Layout
+    space: KeySpace
+    block_size: int  # tokens per vLLM block
+    chunk_size: int  # tokens per pool object (a multiple of block_size)
+    dp_index: int
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+
+def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
+    """Map a vLLM KVCacheSpec to a kvpool group kind (by class, duck-typed)."""
+    names = {c.__name__ for c in type(spec).__mro__}
+    if "MambaSpec" in names:
+        return GroupSpec(GroupKind.MAMBA)
+    if "MLAAttentionSpec" in names and "SlidingWindowSpec" not in names:
+        return GroupSpec(GroupKind.MLA)
+    if "FullAttentionSpec" in names and not names & {"RSWASpec", "SinkFullAttentionSpec"}:
+        return GroupSpec(GroupKind.GQA, total_kv_heads)
+    raise UnsupportedEngine(
+        f"KV cache group kind {type(spec).__name__} is not supported by kvpool yet "
+        "(full attention, MLA and Mamba are)"
+    )
+
+
+def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0) -> EngineIdentity:
+    """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    total_heads = int(model.get_total_num_kv_heads())
+    groups = [_group_spec(g.kv_cache_spec, total_heads) for g in kv_cache_config.kv_cache_groups]
+    if not groups:
+        raise UnsupportedEngine("the model has no KV cache groups")
+    block_size = int(cache.block_size)
+    for g in kv_cache_config.kv_cache_groups:
+        if int(g.kv_cache_spec.block_size) != block_size:
+            raise UnsupportedEngine(
+                f"KV groups with block size {g.kv_cache_spec.block_size} != {block_size} "
+                "are not supported yet"
+            )
+    chunk = chunk_size or block_size
+    if chunk != block_size:
+        raise UnsupportedEngine(
+            f"chunk_size={chunk} must equal the block size {block_size} for now; "
+            "leave chunk_size unset"
+        )
+    layout = Layout.create(
+        tp=int(parallel.tensor_parallel_size),
+        pp=int(parallel.pipeline_parallel_size),
+        pcp=int(getattr(parallel, "prefill_context_parallel_size", 1)),
+        dcp=int(getattr(parallel, "decode_context_parallel_size", 1)),
+        groups=groups,
+        dp_index=dp_index_of(parallel),
+    )
+    model_dtype = str(model.dtype).removeprefix("torch.")
+    kv_dtype = str(cache.cache_dtype)
+    if kv_dtype == "auto":
+        kv_dtype = model_dtype
+    space = KeySpace.create(
+        model=str(model.model),
+        layout=layout,
+        kv_dtype=kv_dtype,
+        model_dtype=model_dtype,
+        chunk_size=chunk,
+        head_size=int(model.get_head_size()),
+        num_layers=int(model.get_total_num_hidden_layers()),
+        hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
+        hash_seed=os.environ.get("PYTHONHASHSEED", ""),
+        extra={
+            "block_size": block_size,
+            "revision": str(getattr(model, "revision", None) or ""),
+            "quantization": str(getattr(model, "quantization", None) or ""),
+            "device": _device_type(),
+        },
+    )
+    return EngineIdentity(layout, space, block_size, chunk, layout.dp_index)
+
+
+def _device_type() -> str:
+    """The KV tensor layout family differs by platform (CPU vs GPU backends)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # pragma: no cover - only without vLLM
+        return "unknown"
+    return str(current_platform.device_type)
+
+
+def worker_rank(layout: Layout) -> int:
+    """This worker's rank in ``layout``, from vLLM's initialised process groups.
+
+    Raises ``UnsupportedEngine`` if vLLM built its groups differently from the
+    layout's default coordinates (then keys could disagree between ranks).
+    """
+    from vllm.distributed import parallel_state as ps
+
+    tp_rank = int(ps.get_tensor_model_parallel_rank())
+    pp_rank = int(ps.get_pp_group().rank_in_group)
+    pcp_rank = int(ps.get_pcp_group().rank_in_group) if layout.pcp > 1 else 0
+    dcp_rank = int(ps.get_dcp_group().rank_in_group) if layout.dcp > 1 else 0
+    rank = tp_rank + layout.tp * (pcp_rank + layout.pcp * pp_rank)
+    mine = RankCoords(rank, tp_rank, pp_rank, pcp_rank, dcp_rank)
+    if layout.coord(rank) != mine:
+        raise UnsupportedEngine(
+            f"vLLM's process groups give this worker {mine}, but kvpool expects "
+            f"{layout.coord(rank)}; please report this layout"
+        )
+    return rank

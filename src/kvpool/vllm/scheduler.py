@@ -1,0 +1,180 @@
+"""Scheduler half of the connector: lookups, load plans and save plans per step.
+
+    SchedulerSide.matched_tokens(request, computed)  tokens to load beyond
+        ``computed`` (whole chunks, never the prompt's last token); None while
+        an async lookup is pending. Side-effect free apart from caching the plan.
+    SchedulerSide.after_alloc(request, num_external)  keep the load plan if vLLM
+        allocated blocks for it, drop it otherwise
+    SchedulerSide.build_meta(scheduler_output)  this step's loads (planned since
+        the last step) and saves (chunks completed by this step's compute); a
+        request is never in both
+    SchedulerSide.finished(request)  forget it
+    SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
+        suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
+        failed load never loops
+
+Block ids come from vLLM's KV cache manager at the step they are used (never
+from a mirror of the block tables). The lookup itself is the lookup service
+(``kvpool.lookup``), served in this process with a deadline on every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpool.vllm.identity import EngineIdentity
+from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
+from kvpool.vllm.settings import ConnectorSettings
+
+__all__ = ["Lookup", "SchedulerSide"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lookup(Protocol):
+    """The lookup client as the scheduler uses it."""
+
+    def lookup(self, req_id: str, chunk_hashes: list[bytes], num_tokens: int) -> int: ...
+
+    def start(self, req_id: str, chunk_hashes: list[bytes], num_tokens: int) -> None: ...
+
+    def poll(self, req_id: str) -> int | None: ...
+
+    def cancel(self, req_id: str) -> None: ...
+
+
+@dataclass
+class _Request:
+    request: Any  # vllm.v1.request.Request
+    saved: int = 0  # chunks [0, saved) were handed to the workers' saves
+    load: tuple[int, int] | None = None  # chunks [a, b) to load, not yet sent
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        identity: EngineIdentity,
+        settings: ConnectorSettings,
+        lookup: Lookup,
+        kv_cache_manager: Any = None,
+    ) -> None:
+        self.identity = identity
+        self.settings = settings
+        self.lookup = lookup
+        self.kv_cache_manager = kv_cache_manager
+        self._requests: dict[str, _Request] = {}
+        self._planned: dict[str, tuple[int, int]] = {}  # req -> chunks [a, b) to load
+        self._suppressed: dict[bytes, float] = {}  # chunk hash -> until (monotonic)
+        self._async_started: set[str] = set()
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    # -- lookups ---------------------------------------------------------------
+
+    def _hashes(self, request: Any) -> list[bytes]:
+        """Chunk hashes of the request's known tokens, cut at the first suppressed one."""
+        n = request.num_tokens // self.identity.chunk_size
+        hashes = [bytes(h) for h in request.block_hashes[:n]]
+        if self._suppressed:
+            now = time.monotonic()
+            self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
+            for i, h in enumerate(hashes):
+                if h in self._suppressed:
+                    return hashes[:i]
+        return hashes
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        chunk = self.identity.chunk_size
+        req_id = request.request_id
+        hashes = self._hashes(request)
+        if not hashes or len(hashes) * chunk <= num_computed_tokens:
+            return 0, False
+        if self.settings.lookup_async:
+            if req_id not in self._async_started:
+                self.lookup.start(req_id, hashes, request.num_tokens)
+                self._async_started.add(req_id)
+            answer = self.lookup.poll(req_id)
+            if answer is None:
+                return None, False
+            self._async_started.discard(req_id)
+            hit = answer
+        else:
+            hit = self.lookup.lookup(req_id, hashes, request.num_tokens)
+        self.lookups += 1
+        # Whole chunks only, and never the last prompt token (vLLM must compute it).
+        hit = min(hit, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk)
+        need = hit - num_computed_tokens
+        if need <= 0 or num_computed_tokens % chunk:
+            return 0, False
+        self._planned[req_id] = (num_computed_tokens // chunk, hit // chunk)
+        return need, True
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        state = self._requests.setdefault(request.request_id, _Request(request))
+        plan = self._planned.pop(request.request_id, None)
+        if num_external_tokens > 0 and plan is not None:
+            state.load = plan
+            self.hit_tokens += num_external_tokens
+
+    # -- per step ------------------------------------------------------------------
+
+    def build_meta(self, out: Any) -> KVPoolMetadata:
+        meta = KVPoolMetadata()
+        loading: set[str] = set()
+        for req_id, state in self._requests.items():
+            if state.load is None:
+                continue
+            a, b = state.load
+            state.load = None
+            meta.loads.append(RequestOps(req_id, self._chunk_ops(state, a, b)))
+            # Loaded chunks stay in the save plan: the workers skip keys they just
+            # loaded without a store call, and a chunk whose load failed is saved
+            # again once vLLM has recomputed it.
+            loading.add(req_id)
+        before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, n in out.num_scheduled_tokens.items():
+            current = self._requests.get(req_id)
+            if current is None or req_id in loading:
+                continue
+            state = current
+            req = state.request
+            limit = req.num_tokens if self.settings.save_decode else req.num_prompt_tokens
+            done = min(before.get(req_id, 0) + n, limit)
+            end = min(done // self.identity.chunk_size, len(req.block_hashes))
+            if end > state.saved:
+                meta.saves.append(RequestOps(req_id, self._chunk_ops(state, state.saved, end)))
+                state.saved = end
+        for req_id in out.finished_req_ids:
+            self.forget(req_id)
+        return meta
+
+    def _chunk_ops(self, state: _Request, a: int, b: int) -> tuple[ChunkOp, ...]:
+        ids = self.kv_cache_manager.get_block_ids(state.request.request_id)
+        m = self.identity.blocks_per_chunk
+        hashes = state.request.block_hashes
+        return tuple(
+            ChunkOp(k, bytes(hashes[k]), tuple(tuple(g[k * m : (k + 1) * m]) for g in ids))
+            for k in range(a, b)
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._planned.pop(req_id, None)
+        if req_id in self._async_started:
+            self._async_started.discard(req_id)
+            self.lookup.cancel(req_id)
+
+    def worker_output(self, meta: Any) -> None:
+        if isinstance(meta, KVPoolWorkerMetadata) and meta.failed_hashes:
+            until = time.monotonic() + self.settings.failed_key_ttl_s
+            for h in meta.failed_hashes:
+                self._suppressed[h] = until
+            logger.info("kvpool: %d chunk(s) failed to load; lookups skip them for %.0f s",
+                        len(meta.failed_hashes), self.settings.failed_key_ttl_s)  # fmt: skip

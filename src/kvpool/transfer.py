@@ -7,7 +7,10 @@
                                    False (and a finished, skipped job) when the save
                                    is refused (backpressure, staging or queue full)
     submit_load(job_id, chunks)    get the chunks on a background thread into the KV
-                                   tensors (zero-copy) or through staging
+                                   tensors (zero-copy, ``load_mode="direct"``) or
+                                   through staging (``"staged"``, forced when the
+                                   store moves bytes only through its own buffers,
+                                   as on Mooncake's same-host shared-memory path)
     poll()                         finished jobs (``JobResult``); never blocks
     wait(job_ids, timeout)         block until those jobs finish
     close()                        stop the threads after the queued jobs
@@ -193,7 +196,9 @@ class TransferEngine:
         backoff_s: tuple[float, float] = (1.0, 30.0),
     ) -> None:
         self.store = store
-        self.load_mode = load_mode
+        # Stores that move bytes only through their own buffers (Mooncake's
+        # same-host shared memory) cannot reach the KV tensors: stage loads too.
+        self.load_mode = "staged" if store.requires_staging else load_mode
         self.groups: list[GroupKV] = [describe_group(g, num_blocks) for g in groups]
         # Views of each distinct allocation as (rows, row_bytes / w) of the widest
         # integer type w dividing the row: indexed copies of bytes are several
@@ -209,15 +214,16 @@ class TransferEngine:
                 flat.set_(t.untyped_storage(), 0, (region.nbytes,))  # type: ignore[call-overload]
                 words = flat.view(_word(region.row_bytes))
                 views.append(words.view(region.num_rows, -1))
-                if region.base not in registered:
+                if region.base not in registered and not store.requires_staging:
                     store.register_memory(region.base, region.nbytes)
                     registered.add(region.base)
             self._views.append(views)
-        if staging is None:
-            staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        if staging is None:  # registered memory from the store (shared with the holder)
+            staging = torch.from_numpy(store.alloc_staging(staging_bytes))
+        else:
+            store.register_memory(int(staging.data_ptr()), staging.numel())
         self._staging = staging.view(-1)
         self._staging_base = int(self._staging.data_ptr())
-        store.register_memory(self._staging_base, self._staging.numel())
         self._arena = StagingArena(self._staging.numel())
         self._known: OrderedDict[str, None] = OrderedDict()
         self._known_max = known_keys

@@ -59,11 +59,21 @@ __all__ = ["KVPoolConnector"]
 logger = logging.getLogger(__name__)
 
 
-def _framed(identity: EngineIdentity) -> Any:
+def _holder_is_local(pool: PoolConfig) -> bool:
+    host = pool.holder_address.rpartition(":")[0]
+    return bool(host) and (host in ("127.0.0.1", "localhost", "::1") or host == pool.local_hostname)
+
+
+def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
     def open_framed(pool: PoolConfig) -> KVStore:
-        return FramedStore(
-            open_store("mooncake", pool), identity.space.fingerprint, checksum=pool.checksum
+        shm = settings.shared_memory == "on" or (
+            settings.shared_memory == "auto" and _holder_is_local(pool)
         )
+        inner = open_store("mooncake", pool, shared_memory=shm)
+        path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
+        logger.info("kvpool: worker moves KV to the pool at %s over %s",
+                    pool.master_address, path)  # fmt: skip
+        return FramedStore(inner, identity.space.fingerprint, checksum=pool.checksum)
 
     return open_framed
 
@@ -98,7 +108,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             else:
                 rank = worker_rank(identity.layout)
                 self._worker = WorkerSide(
-                    identity, rank, settings, pool, kv_cache_config, _framed(identity)
+                    identity, rank, settings, pool, kv_cache_config, _framed(identity, settings)
                 )
         except KVPoolError as exc:
             logger.error("kvpool: %s; the connector stays idle", exc)

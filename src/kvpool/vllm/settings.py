@@ -29,6 +29,9 @@ class ConnectorSettings:
     save_decode: bool = False  # also save chunks completed during decode
     instance: str = ""  # names the lookup endpoint; "" = from the config fingerprint
     load_mode: Literal["auto", "direct", "staged"] = "auto"
+    # Same-host fast path to the pool's holder: "auto" uses it when the holder
+    # is on this host, falling back to TCP if it cannot be set up.
+    shared_memory: Literal["auto", "on", "off"] = "auto"
     staging_bytes: int = 256 << 20  # per worker, for saves (and staged loads)
     failed_key_ttl_s: float = 60.0  # a chunk that failed to load reads as a miss this long
     run_dir: str = ""  # folder of the lookup socket; "" = a per-user temp folder
@@ -81,6 +84,14 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
         elif name in ("lookup_timeout_ms", "failed_key_ttl_s"):
             values[name] = float(_number(name, v, float))
+        elif name == "shared_memory":
+            if v in (True, False):
+                v = "on" if v else "off"
+            if v not in ("auto", "on", "off"):
+                raise ConfigError(
+                    f"kv_connector_extra_config.shared_memory must be auto, on or off, got {v!r}"
+                )
+            values[name] = v
         elif name == "load_mode":
             if v not in ("auto", "direct", "staged"):
                 raise ConfigError(

@@ -93,12 +93,12 @@ def _plot(report: DemoReport, path: Path) -> None:
 @click.command()
 @click.option("--conversations", default=4, show_default=True, type=click.IntRange(1, 64))
 @click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 16))
-@click.option("--system-tokens", default=1024, show_default=True, type=click.IntRange(32, 3000))
+@click.option("--document-tokens", default=1536, show_default=True, type=click.IntRange(32, 3000))
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep the model, logs and pool here (default: a temporary folder).")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write a PNG of cold vs warm time to first token.")  # fmt: skip
-def demo(conversations: int, turns: int, system_tokens: int, workdir: Path | None,
+def demo(conversations: int, turns: int, document_tokens: int, workdir: Path | None,
          plot: Path | None) -> None:  # fmt: skip
     """Run a cold and a warm vLLM engine sharing prefixes through a private pool."""
     from kvpool.cli.console import console
@@ -121,7 +121,7 @@ def demo(conversations: int, turns: int, system_tokens: int, workdir: Path | Non
                 bars.update(tasks[phase], completed=done, total=total)
 
             report = run_demo(folder, conversations=conversations, turns=turns,
-                              system_tokens=system_tokens, on_progress=on_progress)  # fmt: skip
+                              document_tokens=document_tokens, on_progress=on_progress)  # fmt: skip
         console.print(demo_tables(report))
         if plot is not None:
             _plot(report, plot)

@@ -75,16 +75,25 @@ class DemoReport:
 
 
 def workload(
-    conversations: int, turns: int, system: int, user: int, seed: int = 0
+    conversations: int, turns: int, system: int, document: int, user: int, seed: int = 0
 ) -> list[tuple[str, list[int]]]:
-    """Multi-turn chats sharing one system prompt: turn t = system + t user messages."""
+    """Multi-turn chats about long documents, sharing one system prompt.
+
+    Turn t of chat c is: system prompt + document c + t user messages. Within one
+    engine, a chat's later turns hit its local prefix cache; a fresh engine finds
+    every document in the pool.
+    """
     rng = random.Random(seed)
-    sys_prompt = [rng.randrange(10, 1000) for _ in range(system)]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, 1000) for _ in range(n)]
+
+    sys_prompt = tokens(system)
     out = []
     for c in range(conversations):
-        history = list(sys_prompt)
+        history = sys_prompt + tokens(document)
         for t in range(turns):
-            history += [rng.randrange(10, 1000) for _ in range(user)]
+            history += tokens(user)
             out.append((f"chat {c + 1} turn {t + 1}", list(history)))
     return out
 
@@ -118,8 +127,9 @@ def run_demo(
     *,
     conversations: int = 4,
     turns: int = 2,
-    system_tokens: int = 1024,
-    user_tokens: int = 160,
+    system_tokens: int = 256,
+    document_tokens: int = 1536,
+    user_tokens: int = 96,
     layers: int = 4,
     hidden: int = 256,
     on_progress: Progress | None = None,
@@ -130,7 +140,7 @@ def run_demo(
     model = build_tiny_llama(workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64,
                              kv_heads=hidden // 64)  # fmt: skip
     progress("model", 1, 1)
-    requests = workload(conversations, turns, system_tokens, user_tokens)
+    requests = workload(conversations, turns, system_tokens, document_tokens, user_tokens)
     pool = LocalPool.start(workdir / "pool", segment_size=1 << 30)
     try:
         pool_file = pool.write_pool_file(workdir / "pool.json")
@@ -142,6 +152,7 @@ def run_demo(
             "block_size": 32,
             "extra": {"pool_file": str(pool_file)},
             "progress": True,
+            "warmup": True,
         }
         cold = _run_engine(spec, workdir / "cold.json", "cold engine", progress)
         warm = _run_engine(spec, workdir / "warm.json", "warm engine", progress)

@@ -136,6 +136,13 @@ class WorkerSide:
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
             done.add(req_id)
+            logger.debug(
+                "kvpool: load of %s: %d chunk(s), %.1f MiB in %.1f ms",
+                req_id,
+                len(result.statuses),
+                result.nbytes / 2**20,
+                result.seconds * 1e3,
+            )
             bad = [k for k, s in result.statuses.items() if not s.ok]
             if bad:
                 failed.add(req_id)

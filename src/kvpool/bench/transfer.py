@@ -1,0 +1,610 @@
+"""Transfer throughput: paged KV tensors -> pool -> KV tensors through ``TransferEngine``.
+
+    run_transfer_bench(config, ...) -> TransferBench   measure; prints nothing
+    kv_shape_for(size, layers)      a vLLM-like KV shape whose one-block chunk
+                                    object has ``size`` bytes
+    measure_hook_overhead(config)   per-step CPU cost of the worker hooks when
+                                    there is nothing to load or save
+
+For each path (``tcp``: ``MooncakeStore(shared_memory=False)``, direct loads into
+the KV tensors; ``shm``: ``shared_memory=True``, staged loads) and object size,
+two KV caches are built in vLLM's CPU layout (one contiguous float32
+allocation; per layer a view ``[num_blocks, 2, block_size, kv_heads*head_size]``;
+a chunk object is one block over all layers). Every repeat saves ``total //
+size`` chunks from randomly chosen blocks of the first cache with
+``submit_save`` + ``wait`` (in jobs of ``job_bytes``), then loads them into
+other random blocks of the second cache with ``submit_load`` + ``wait``, through
+
+* ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
+* ``kvpool+checksum``: the same with xxh3 checksums written and verified,
+* ``raw``: a separate Mooncake client's ``batch_put_from_multi_buffers`` /
+  ``batch_get_into_multi_buffers`` on the same per-object segments (one per
+  layer), one batch per job. TCP: a pure client with both KV caches
+  registered. Shared memory: a dummy client whose two buffers from
+  ``alloc_from_mem_pool`` (registered whole) are replicas of the KV caches.
+
+The order of the three rotates every repeat; keys are fresh each repeat and
+removed (forced, untimed) after it. A numpy copy of the same bytes is the
+memory-bandwidth baseline. Repeat 0 warms up, is not counted, and verifies the
+bytes of every object of every variant (into a zeroed destination).
+Figures are medians over ``repeats``; GB/s counts payload bytes, GB = 1e9
+bytes; end to end is bytes / median(save + load).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvpool.config import PoolConfig
+from kvpool.errors import StoreError
+from kvpool.keys import KeySpace
+from kvpool.layout import Layout
+from kvpool.store.base import Segment, Status
+from kvpool.store.framed import FramedStore
+from kvpool.store.mooncake import MooncakeStore
+from kvpool.transfer import ChunkRef, JobResult, TransferEngine
+
+__all__ = [
+    "DEFAULT_SIZES",
+    "PATHS",
+    "HookOverhead",
+    "KVShape",
+    "SizeResult",
+    "TransferBench",
+    "VariantResult",
+    "kv_shape_for",
+    "measure_hook_overhead",
+    "run_transfer_bench",
+]
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = (32 * KiB, 256 * KiB, 1 * MiB)
+PATHS = ("tcp", "shm")
+VARIANTS = ("raw", "kvpool", "kvpool+checksum")
+_BENCH_FP = "6b76706f6f6c6265"  # b"kvpoolbe": the bench's own key space
+_DTYPE_BYTES = 4  # float32, as vLLM's CPU backend runs the tiny models
+_WAIT_S = 120.0  # a job that takes longer than this is a hung pool
+
+Path = Literal["tcp", "shm"]
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """One KV cache group in vLLM's CPU layout, float32."""
+
+    layers: int
+    block_size: int  # tokens per block (= per chunk object)
+    kv_heads: int
+    head_size: int
+
+    @property
+    def row_elems(self) -> int:
+        return self.kv_heads * self.head_size
+
+    @property
+    def layer_block_nbytes(self) -> int:
+        """Bytes of one block of one layer (K and V): one segment of an object."""
+        return 2 * self.block_size * self.row_elems * _DTYPE_BYTES
+
+    @property
+    def object_nbytes(self) -> int:
+        """Bytes of one chunk object: one block over all layers."""
+        return self.layers * self.layer_block_nbytes
+
+    def __str__(self) -> str:
+        return (
+            f"{self.layers}L x [2, {self.block_size}, {self.kv_heads}x{self.head_size}] f32"
+        )
+
+
+def kv_shape_for(size: int, layers: int = 8) -> KVShape:
+    """A realistic shape whose one-block object has exactly ``size`` bytes.
+
+    Tries ``layers`` layers first (then fewer), block sizes 32, 64, 128, 16 and
+    head sizes 64, 128, 32 (what vLLM's CPU attention supports), with 1..64 KV
+    heads. Raises ``ValueError`` if nothing fits.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    tries = sorted({layers, *(n for n in (8, 4, 2, 1) if n < layers)}, reverse=True)
+    for n in tries:
+        for block_size in (32, 64, 128, 16):
+            for head_size in (64, 128, 32):
+                per_head = n * 2 * block_size * head_size * _DTYPE_BYTES
+                if size % per_head == 0 and 1 <= size // per_head <= 64:
+                    return KVShape(n, block_size, size // per_head, head_size)
+    raise ValueError(
+        f"no float32 KV shape with up to {layers} layers gives {size}-byte objects; "
+        "pick a multiple of 16 KiB between 16 KiB and 64 MiB, e.g. 256KiB or 1MiB"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VariantResult:
+    """Median throughputs of one way of moving the bytes, in GB/s."""
+
+    name: str  # "raw", "kvpool" or "kvpool+checksum"
+    save: float
+    load: float
+    end_to_end: float  # bytes / median(save + load seconds)
+    submit: float  # bytes / median time the caller spent in submit_save (0 for raw)
+    failures: int  # objects not OK, refused, or not byte-equal (over all repeats)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeResult:
+    """One path and object size."""
+
+    path: str  # "tcp" or "shm" (as asked)
+    transport: str  # "tcp" or "shared memory" (as used: shm falls back to TCP)
+    load_mode: str  # the engine's: "direct" or "staged"
+    size: int  # bytes per object
+    objects: int  # objects per repeat
+    jobs: int  # save (and load) jobs per repeat
+    shape: KVShape
+    raw: VariantResult
+    kvpool: VariantResult  # checksum off
+    checksum: VariantResult  # kvpool with checksum on
+    copy: float  # GB/s of a numpy copy of the same bytes
+
+    @property
+    def save_ratio(self) -> float:
+        return _ratio(self.kvpool.save, self.raw.save)
+
+    @property
+    def load_ratio(self) -> float:
+        return _ratio(self.kvpool.load, self.raw.load)
+
+    @property
+    def checksum_save_ratio(self) -> float:
+        return _ratio(self.checksum.save, self.raw.save)
+
+    @property
+    def checksum_load_ratio(self) -> float:
+        return _ratio(self.checksum.load, self.raw.load)
+
+    @property
+    def failures(self) -> int:
+        return self.raw.failures + self.kvpool.failures + self.checksum.failures
+
+    @property
+    def variants(self) -> tuple[VariantResult, ...]:
+        return (self.raw, self.kvpool, self.checksum)
+
+
+@dataclass(frozen=True, slots=True)
+class HookOverhead:
+    """Median microseconds per engine step with nothing to load or save."""
+
+    steps: int
+    submit_poll_us: float  # TransferEngine.submit_save(job, []) + poll()
+    metadata_us: float  # building an empty KVPoolMetadata
+    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta
+
+    @property
+    def step_us(self) -> float:
+        """What a worker pays per idle step: the metadata and the hooks."""
+        return self.metadata_us + self.hooks_us
+
+
+@dataclass(frozen=True, slots=True)
+class TransferBench:
+    """The whole run."""
+
+    results: tuple[SizeResult, ...]
+    master_address: str
+    repeats: int
+    total_bytes: int  # bytes per repeat (objects * size)
+    job_bytes: int  # bytes per save/load job
+    hooks: HookOverhead | None = None
+
+    @property
+    def failures(self) -> int:
+        return sum(r.failures for r in self.results)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _gbps(nbytes: int, seconds: Sequence[float]) -> float:
+    if not seconds:
+        return 0.0
+    median = statistics.median(seconds)
+    return nbytes / median / 1e9 if median > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- KV caches
+
+
+class _KVCache:
+    """``num_blocks`` blocks of ``shape`` in one contiguous allocation (or ``memory``)."""
+
+    def __init__(self, shape: KVShape, num_blocks: int, memory: torch.Tensor | None = None) -> None:
+        self.shape, self.num_blocks = shape, num_blocks
+        per_layer = num_blocks * 2 * shape.block_size * shape.row_elems
+        n = shape.layers * per_layer
+        if memory is None:
+            self.flat = torch.empty(n, dtype=torch.float32)
+        else:
+            self.flat = memory.view(torch.uint8)[: n * _DTYPE_BYTES].view(torch.float32)
+        self.layers = [
+            (
+                f"model.layers.{i}.self_attn.attn",
+                self.flat[i * per_layer : (i + 1) * per_layer].view(
+                    num_blocks, 2, shape.block_size, shape.row_elems
+                ),
+            )
+            for i in range(shape.layers)
+        ]
+        self.base = int(self.flat.data_ptr())
+        self.nbytes = n * _DTYPE_BYTES
+        self.layer_stride = per_layer * _DTYPE_BYTES
+
+    @property
+    def bytes(self) -> npt.NDArray[np.uint8]:
+        return self.flat.view(torch.uint8).numpy()
+
+    def segments(self, block_ids: npt.NDArray[np.int64]) -> list[list[Segment]]:
+        """Per object (one block id each): one segment per layer, in layer order."""
+        n = self.shape.layer_block_nbytes
+        return [
+            [(self.base + layer * self.layer_stride + int(b) * n, n)
+             for layer in range(self.shape.layers)]
+            for b in block_ids
+        ]  # fmt: skip
+
+    def equal(
+        self, ids: npt.NDArray[np.int64], other: _KVCache, other_ids: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.bool_]:
+        """Per object: do blocks ``ids`` here hold the bytes of ``other_ids`` there?"""
+        same = torch.ones(len(ids), dtype=torch.bool)
+        mine, theirs = torch.from_numpy(ids), torch.from_numpy(other_ids)
+        for (_, a), (_, b) in zip(self.layers, other.layers, strict=True):
+            x = a.view(torch.int32).index_select(0, mine).flatten(1)  # bits, not floats (NaN)
+            y = b.view(torch.int32).index_select(0, theirs).flatten(1)
+            same &= (x == y).all(dim=1)
+        out: npt.NDArray[np.bool_] = same.numpy()
+        return out
+
+
+# --------------------------------------------------------------------------- one size
+
+
+@dataclass
+class _Times:
+    save: list[float]
+    load: list[float]
+    both: list[float]
+    submit: list[float]
+    failures: int = 0
+
+    @classmethod
+    def empty(cls) -> _Times:
+        return cls([], [], [], [])
+
+    def result(self, name: str, nbytes: int) -> VariantResult:
+        return VariantResult(
+            name,
+            save=_gbps(nbytes, self.save),
+            load=_gbps(nbytes, self.load),
+            end_to_end=_gbps(nbytes, self.both),
+            submit=_gbps(nbytes, self.submit) if self.submit else 0.0,
+            failures=self.failures,
+        )
+
+
+def _wait(engine: TransferEngine, ids: list[Hashable]) -> list[JobResult]:
+    results = engine.wait(ids, timeout=_WAIT_S)
+    if len(results) != len(ids):
+        raise StoreError(f"{len(ids) - len(results)} transfer jobs did not finish in {_WAIT_S} s")
+    return results
+
+
+def _engine_round(
+    saver: TransferEngine,
+    loader: TransferEngine,
+    keys: list[str],
+    src_ids: npt.NDArray[np.int64],
+    dst_ids: npt.NDArray[np.int64],
+    jobs: list[tuple[int, int]],
+) -> tuple[float, float, float, npt.NDArray[np.bool_]]:
+    """(save s, time in submit_save s, load s, per object: saved and loaded OK)."""
+    tag = keys[0]
+    saves = [ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, src_ids, strict=True))]
+    loads = [ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, dst_ids, strict=True))]
+    ok = np.ones(len(keys), dtype=np.bool_)
+    save_ids: list[Hashable] = [(tag, "save", j) for j in range(len(jobs))]
+    load_ids: list[Hashable] = [(tag, "load", j) for j in range(len(jobs))]
+    submit = 0.0
+    start = time.perf_counter()
+    for job, (a, b) in zip(save_ids, jobs, strict=True):
+        t = time.perf_counter()
+        saver.submit_save(job, saves[a:b])
+        submit += time.perf_counter() - t
+    saved = _wait(saver, save_ids)
+    t_save = time.perf_counter() - start
+    start = time.perf_counter()
+    for job, (a, b) in zip(load_ids, jobs, strict=True):
+        loader.submit_load(job, loads[a:b])
+    loaded = _wait(loader, load_ids)
+    t_load = time.perf_counter() - start
+    index = {k: i for i, k in enumerate(keys)}
+    span = dict(zip(save_ids, jobs, strict=True))
+    for r in saved:
+        for i in (index[k] for k, s in r.statuses.items() if not s.stored):
+            ok[i] = False
+        if r.skipped:  # refused (backpressure, staging or queue full): nothing written
+            a, b = span[r.job_id]
+            ok[a:b] = False
+    for r in loaded:
+        for i in (index[k] for k, s in r.statuses.items() if not s.ok):
+            ok[i] = False
+    return t_save, submit, t_load, ok
+
+
+def _raw_round(
+    raw: object,
+    keys: list[str],
+    put: tuple[list[list[int]], list[list[int]]],
+    get: tuple[list[list[int]], list[list[int]]],
+    size: int,
+    jobs: list[tuple[int, int]],
+) -> tuple[float, float, npt.NDArray[np.bool_]]:
+    """(put s, get s, per object OK): Mooncake's multi-buffer batch calls, one per job."""
+    put_one = raw.batch_put_from_multi_buffers  # type: ignore[attr-defined]
+    get_one = raw.batch_get_into_multi_buffers  # type: ignore[attr-defined]
+    codes_put: list[int] = []
+    codes_get: list[int] = []
+    start = time.perf_counter()
+    for a, b in jobs:
+        codes_put += put_one(keys[a:b], put[0][a:b], put[1][a:b])
+    t_put = time.perf_counter() - start
+    start = time.perf_counter()
+    for a, b in jobs:
+        codes_get += get_one(keys[a:b], get[0][a:b], get[1][a:b])
+    t_get = time.perf_counter() - start
+    ok = (np.array(codes_put) == 0) & (np.array(codes_get) == size)
+    return t_put, t_get, ok
+
+
+def _split(segments: list[list[Segment]]) -> tuple[list[list[int]], list[list[int]]]:
+    return [[a for a, _ in s] for s in segments], [[n for _, n in s] for s in segments]
+
+
+def _bench_size(
+    config: PoolConfig,
+    path: Path,
+    shape: KVShape,
+    objects: int,
+    repeats: int,
+    job_chunks: int,
+    staging_bytes: int,
+    tick: Callable[[], None],
+) -> SizeResult:
+    size = shape.object_nbytes
+    nbytes = size * objects
+    jobs = [(a, min(a + job_chunks, objects)) for a in range(0, objects, job_chunks)]
+    rng = np.random.default_rng(size)
+    src = _KVCache(shape, objects)
+    src.bytes[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
+    dst = _KVCache(shape, objects)
+    copy_dst = np.empty(src.nbytes, dtype=np.uint8)
+    times = {v: _Times.empty() for v in VARIANTS}
+    copies: list[float] = []
+    shm = path == "shm"
+    with contextlib.ExitStack() as stack:
+        framed = FramedStore(MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=False)
+        stack.callback(framed.close)
+        raw_store = MooncakeStore(config, shared_memory=shm)
+        stack.callback(raw_store.close)
+        # Raw puts and gets need memory their client can use: the KV caches themselves
+        # over TCP, replicas in the dummy client's shared memory otherwise.
+        if raw_store.shared_memory:
+            raw_src = _KVCache(shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes)))
+            raw_src.bytes[:] = src.bytes
+            raw_dst = _KVCache(shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes)))
+        else:
+            raw_src, raw_dst = src, dst
+            raw_store.register_memory(src.base, src.nbytes)
+            raw_store.register_memory(dst.base, dst.nbytes)
+        saver = TransferEngine(framed, [src.layers], objects, staging_bytes=staging_bytes)
+        stack.callback(saver.close)
+        loader = TransferEngine(framed, [dst.layers], objects, staging_bytes=staging_bytes)
+        stack.callback(loader.close)
+        transport = "shared memory" if framed.inner.shared_memory else config.protocol  # type: ignore[attr-defined]
+        for rep in range(repeats + 1):  # repeat 0 warms up and verifies; not counted
+            src_ids = rng.permutation(objects).astype(np.int64)
+            dst_ids = rng.permutation(objects).astype(np.int64)
+            put = _split(raw_src.segments(src_ids))
+            get = _split(raw_dst.segments(dst_ids))
+            tag = uuid.uuid4().hex[:12]
+            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
+            all_keys: list[str] = []
+            for name in order:
+                keys = [f"kvpool-bench/transfer/{tag}/{name}/{i}" for i in range(objects)]
+                all_keys += keys
+                t = times[name]
+                if rep == 0:
+                    (raw_dst if name == "raw" else dst).flat.zero_()
+                if name == "raw":
+                    t_save, t_load, ok = _raw_round(raw_store.raw, keys, put, get, size, jobs)
+                    t_submit = None
+                else:
+                    framed.checksum = framed.verify = name == "kvpool+checksum"
+                    t_save, t_submit, t_load, ok = _engine_round(
+                        saver, loader, keys, src_ids, dst_ids, jobs
+                    )
+                if rep == 0:
+                    a, b = (raw_src, raw_dst) if name == "raw" else (src, dst)
+                    ok &= b.equal(dst_ids, a, src_ids)
+                else:
+                    t.save.append(t_save)
+                    t.load.append(t_load)
+                    t.both.append(t_save + t_load)
+                    if t_submit is not None:
+                        t.submit.append(t_submit)
+                t.failures += int(objects - ok.sum())
+            start = time.perf_counter()
+            np.copyto(copy_dst, src.bytes)
+            if rep:
+                copies.append(time.perf_counter() - start)
+            removed = framed.batch_remove(all_keys, force=True)
+            if Status.UNAVAILABLE in removed:
+                raise StoreError(f"the pool at {config.master_address} stopped answering")
+            tick()
+        load_mode = loader.load_mode
+    return SizeResult(
+        path=path,
+        transport=transport,
+        load_mode=load_mode,
+        size=size,
+        objects=objects,
+        jobs=len(jobs),
+        shape=shape,
+        raw=times["raw"].result("raw", nbytes),
+        kvpool=times["kvpool"].result("kvpool", nbytes),
+        checksum=times["kvpool+checksum"].result("kvpool+checksum", nbytes),
+        copy=_gbps(nbytes, copies),
+    )
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_transfer_bench(
+    config: PoolConfig,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    total_bytes: int = 64 * MiB,
+    repeats: int = 5,
+    paths: Sequence[str] = PATHS,
+    layers: int = 8,
+    job_bytes: int = 16 * MiB,
+    hook_steps: int = 10_000,
+    on_progress: Progress | None = None,
+) -> TransferBench:
+    """Measure every path and size (and the idle hooks unless ``hook_steps`` is 0).
+
+    Raises ``ValueError`` for sizes no KV shape gives or that exceed
+    ``total_bytes``, and ``StoreError`` if the pool cannot be used.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise ValueError(f"paths must be among {', '.join(PATHS)}")
+    if any(s <= 0 or s > total_bytes for s in sizes):
+        raise ValueError(f"every object size must be in 1..{total_bytes} bytes (--total)")
+    shapes = [kv_shape_for(s, layers) for s in sizes]
+    progress = on_progress or (lambda *_: None)
+    # Room for one repeat's saves in flight, as vLLM's default staging would have.
+    staging = max(256 * MiB, 2 * total_bytes)
+    results = []
+    for path in paths:
+        done = 0
+        steps = len(shapes) * (repeats + 1)
+        progress(path, 0, steps)
+        for shape in shapes:
+
+            def tick(p: str = path) -> None:
+                nonlocal done
+                done += 1
+                progress(p, done, steps)
+
+            objects = total_bytes // shape.object_nbytes
+            job_chunks = max(1, min(objects, job_bytes // shape.object_nbytes))
+            results.append(
+                _bench_size(config, path, shape, objects, repeats, job_chunks, staging, tick)  # type: ignore[arg-type]
+            )
+    hooks = measure_hook_overhead(config, hook_steps, progress) if hook_steps > 0 else None
+    return TransferBench(
+        tuple(results), config.master_address, repeats, total_bytes, job_bytes, hooks
+    )
+
+
+# --------------------------------------------------------------------------- idle hooks
+
+
+def _median_us(samples_ns: list[int]) -> float:
+    return statistics.median(samples_ns) / 1000.0
+
+
+def measure_hook_overhead(
+    config: PoolConfig, steps: int = 10_000, on_progress: Progress | None = None
+) -> HookOverhead:
+    """Median CPU cost per step of the worker side when no request loads or saves.
+
+    Builds a ``WorkerSide`` by hand (the connector's worker half, on a small KV
+    cache of 16 blocks, over ``FramedStore(MooncakeStore)``) and times, per step,
+    ``submit_save(job, [])`` + ``poll()`` on its engine, building an empty
+    ``KVPoolMetadata``, and the worker hooks on it. Imports vLLM (seconds).
+    """
+    from kvpool.vllm.identity import EngineIdentity
+    from kvpool.vllm.metadata import KVPoolMetadata
+    from kvpool.vllm.settings import ConnectorSettings
+    from kvpool.vllm.worker import WorkerSide
+
+    progress = on_progress or (lambda *_: None)
+    shape = kv_shape_for(256 * KiB)
+    kv = _KVCache(shape, 16)
+    layout = Layout.create(tp=1, groups=[f"gqa:{shape.kv_heads}"])
+    space = KeySpace.create(model="kvpool-bench/hooks", layout=layout, kv_dtype="float32",
+                            model_dtype="float32", chunk_size=shape.block_size,
+                            head_size=shape.head_size, num_layers=shape.layers)  # fmt: skip
+    identity = EngineIdentity(layout, space, shape.block_size, shape.block_size, 0)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[name for name, _ in kv.layers])],
+        num_blocks=kv.num_blocks,
+    )
+
+    def open_store(cfg: PoolConfig) -> FramedStore:
+        return FramedStore(MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum)
+
+    worker = WorkerSide(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
+    worker.register(dict(kv.layers))
+    try:
+        engine = worker.engine
+        if engine is None:
+            raise StoreError(f"the worker could not open the pool at {config.master_address}")
+        phases = 3
+        progress("hooks", 0, phases)
+        clock = time.perf_counter_ns
+        empty: list[int] = []
+        for i in range(steps):
+            t = clock()
+            engine.submit_save(("idle", i), [])
+            engine.poll()
+            empty.append(clock() - t)
+        progress("hooks", 1, phases)
+        meta_ns: list[int] = []
+        for _ in range(steps):
+            t = clock()
+            KVPoolMetadata()
+            meta_ns.append(clock() - t)
+        progress("hooks", 2, phases)
+        hooks_ns: list[int] = []
+        for _ in range(steps):
+            meta = KVPoolMetadata()
+            t = clock()
+            worker.start_loads(meta)
+            worker.start_saves(meta)
+            worker.finished()
+            worker.load_errors()
+            worker.worker_meta()
+            hooks_ns.append(clock() - t)
+        progress("hooks", 3, phases)
+    finally:
+        worker.close()
+    return HookOverhead(steps, _median_us(empty), _median_us(meta_ns), _median_us(hooks_ns))

@@ -330,11 +330,18 @@ class TransferEngine:
         with self._stats_lock:
             s = self._stats
             return TransferStats(
-                s.saves_submitted, Counter(s.saves_refused), s.chunks_put,
-                s.chunks_skipped_known, s.chunks_skipped_exist, s.bytes_put,
-                s.loads_submitted, s.chunks_loaded, s.bytes_loaded, Counter(s.failures),
+                s.saves_submitted,
+                Counter(s.saves_refused),
+                s.chunks_put,
+                s.chunks_skipped_known,
+                s.chunks_skipped_exist,
+                s.bytes_put,
+                s.loads_submitted,
+                s.chunks_loaded,
+                s.bytes_loaded,
+                Counter(s.failures),
                 s.backpressure_events,
-            )  # fmt: skip
+            )
 
     @property
     def in_backpressure(self) -> bool:
@@ -426,8 +433,9 @@ class TransferEngine:
             if s.stored:
                 nbytes += segs[todo.index(i)][0][1]
         self._remember(k for k, s in statuses.items() if s.stored)
-        trouble = [s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED,
-                                           Status.UNAVAILABLE)]  # fmt: skip
+        trouble = [
+            s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
+        ]
         if trouble:
             self._enter_backpressure(trouble[0])
         elif put:
@@ -534,8 +542,17 @@ class TransferEngine:
             self._arena.free(job.staging)
             job.staging = None
         skipped = job.skipped + sum(1 for s in statuses.values() if s is Status.EXISTS)
-        self._publish(JobResult(job.job_id, job.kind, statuses, frozenset(), skipped, nbytes,
-                                time.monotonic() - job.submitted))  # fmt: skip
+        self._publish(
+            JobResult(
+                job.job_id,
+                job.kind,
+                statuses,
+                frozenset(),
+                skipped,
+                nbytes,
+                time.monotonic() - job.submitted,
+            )
+        )
 
     def _finish_load(self, job: _Job, statuses: dict[str, Status]) -> None:
         failed = [c.chunk for c in job.chunks if not statuses[c.key].ok]
@@ -551,8 +568,17 @@ class TransferEngine:
             self._stats.chunks_loaded += len(ok_chunks)
             self._stats.bytes_loaded += nbytes
             self._stats.failures.update(s.value for s in statuses.values() if not s.ok)
-        self._publish(JobResult(job.job_id, "load", statuses, frozenset(invalid), 0, nbytes,
-                                time.monotonic() - job.submitted))  # fmt: skip
+        self._publish(
+            JobResult(
+                job.job_id,
+                "load",
+                statuses,
+                frozenset(invalid),
+                0,
+                nbytes,
+                time.monotonic() - job.submitted,
+            )
+        )
 
     def _publish(self, result: JobResult) -> None:
         with self._done_cond:

@@ -24,8 +24,9 @@ def cpu_layers(n: int, heads: int = 2, head: int = 32) -> list[tuple[str, torch.
     """vLLM CPU backend: one allocation, per layer [blocks, 2, block_size, heads*head]."""
     per = NB * 2 * BS * heads * head
     cache = torch.empty(n * per, dtype=torch.float32)
-    return [(f"l{i}", cache[i * per : (i + 1) * per].view(NB, 2, BS, heads * head))
-            for i in range(n)]  # fmt: skip
+    return [
+        (f"l{i}", cache[i * per : (i + 1) * per].view(NB, 2, BS, heads * head)) for i in range(n)
+    ]
 
 
 def flash_layers(n: int) -> list[tuple[str, torch.Tensor]]:
@@ -106,16 +107,24 @@ def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str) -> N
     reader.close()
     assert res.ok and not res.invalid_block_ids
     for c, t in zip(chunks, targets, strict=True):
-        for a, b in zip(blocks_of(src, list(c.block_ids)), blocks_of(dst, list(t.block_ids)),
-                        strict=True):  # fmt: skip
+        for a, b in zip(
+            blocks_of(src, list(c.block_ids)), blocks_of(dst, list(t.block_ids)), strict=True
+        ):
             assert torch.equal(a, b)
 
 
 def test_striped_ranks_write_shares_and_a_fresh_rank_reads_all(store: KVStore) -> None:
     """Four TP ranks of an MLA model hold the same bytes; each writes its quarter."""
     layout = Layout.create(tp=4, groups=["mla"])
-    space = KeySpace.create(model="m", layout=layout, kv_dtype="f16", model_dtype="f16",
-                            chunk_size=2 * BS, head_size=96, num_layers=2)  # fmt: skip
+    space = KeySpace.create(
+        model="m",
+        layout=layout,
+        kv_dtype="f16",
+        model_dtype="f16",
+        chunk_size=2 * BS,
+        head_size=96,
+        num_layers=2,
+    )
     hashes = chunk_hashes(12)
     content = layout.content(0, 0)
     keys = [space.key(content, h) for h in hashes]

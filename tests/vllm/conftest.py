@@ -40,8 +40,11 @@ def run_engine(tmp_path: Path) -> RunEngine:
         env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         proc = subprocess.run(
             [sys.executable, "-m", "kvpool.demo.engine", str(path)],
-            capture_output=True, text=True, env=env, timeout=600,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         (tmp_path / f"engine{count[0]}.log").write_text(proc.stdout + proc.stderr)
         for line in reversed(proc.stdout.splitlines()):
             if line.startswith("KVPOOL-RESULT "):

@@ -20,8 +20,13 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 
 def spec(model: Path, connector: str, pool_file: str = "", **kw: Any) -> dict[str, Any]:
-    s: dict[str, Any] = {"model": str(model), "prompts": prompts(), "max_tokens": 8,
-                         "connector": connector, "block_size": BLOCK}  # fmt: skip
+    s: dict[str, Any] = {
+        "model": str(model),
+        "prompts": prompts(),
+        "max_tokens": 8,
+        "connector": connector,
+        "block_size": BLOCK,
+    }
     if pool_file:
         s["extra"] = {"pool_file": pool_file}
     s.update(kw)
@@ -71,8 +76,7 @@ def test_corrupt_objects_are_recomputed_removed_and_never_loop(
     keys = master_keys(cfg.metrics_url)
     assert keys, "engine A saved nothing"
     store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "",
-                       cfg.master_address) == 0  # fmt: skip
+    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", cfg.master_address) == 0
     try:
         for key in keys:  # same size, other bytes: a stale or aliased object
             size = store.get_size(key)

@@ -61,8 +61,15 @@ class FakeManager:
 
 def identity() -> EngineIdentity:
     layout = Layout.create(tp=1, groups=["gqa:2"])
-    space = KeySpace.create(model="m", layout=layout, kv_dtype="f32", model_dtype="f32",
-                            chunk_size=B, head_size=32, num_layers=2)  # fmt: skip
+    space = KeySpace.create(
+        model="m",
+        layout=layout,
+        kv_dtype="f32",
+        model_dtype="f32",
+        chunk_size=B,
+        head_size=32,
+        num_layers=2,
+    )
     return EngineIdentity(layout, space, B, B, 0)
 
 

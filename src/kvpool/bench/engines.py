@@ -70,27 +70,44 @@ def run_engine_bench(
 ) -> EngineBench:
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(workdir / "model", layers=layers, hidden=hidden,
-                             heads=hidden // 64, kv_heads=hidden // 64)  # fmt: skip
+    model = build_tiny_llama(
+        workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64
+    )
     ids = _prompts(prompts, min_tokens, max_tokens)
-    base_spec: dict[str, Any] = {"model": str(model), "prompts": ids, "max_tokens": 4,
-                                 "block_size": 32, "progress": True}  # fmt: skip
-    baseline = _run_engine({**base_spec, "connector": "none"}, workdir / "none.json",
-                           "no connector", progress)  # fmt: skip
+    base_spec: dict[str, Any] = {
+        "model": str(model),
+        "prompts": ids,
+        "max_tokens": 4,
+        "block_size": 32,
+        "progress": True,
+    }
+    baseline = _run_engine(
+        {**base_spec, "connector": "none"}, workdir / "none.json", "no connector", progress
+    )
     runs = []
     pool = LocalPool.start(workdir / "pool", segment_size=2 << 30)
     try:
         cfg = pool.config()
         pool_file = pool.write_pool_file(workdir / "pool.json")
         mc_config = workdir / "mooncake.json"
-        mc_config.write_text(json.dumps({
-            "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE",
-            "master_server_address": cfg.master_address, "protocol": "tcp",
-            "device_name": "", "mode": "standalone-store", "global_segment_size": 0,
-            "local_buffer_size": "64MB",
-        }))  # fmt: skip
-        env = {"MOONCAKE_CONFIG_PATH": str(mc_config),
-               "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1"}  # fmt: skip
+        mc_config.write_text(
+            json.dumps(
+                {
+                    "local_hostname": "127.0.0.1",
+                    "metadata_server": "P2PHANDSHAKE",
+                    "master_server_address": cfg.master_address,
+                    "protocol": "tcp",
+                    "device_name": "",
+                    "mode": "standalone-store",
+                    "global_segment_size": 0,
+                    "local_buffer_size": "64MB",
+                }
+            )
+        )
+        env = {
+            "MOONCAKE_CONFIG_PATH": str(mc_config),
+            "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+        }
         for name in connectors:
             spec = {**base_spec, "connector": name}
             if name == "kvpool":
@@ -112,13 +129,20 @@ def run_engine_bench(
                 outputs_match(w, b)
                 for w, b in zip(warm["results"], baseline["results"], strict=True)
             )
-            runs.append(ConnectorRun(
-                name, _median_ttft(cold), _median_ttft(warm),
-                int(after.get("master_allocated_bytes", 0)
-                    - before.get("master_allocated_bytes", 0)),
-                int(after.get("master_key_count", 0) - before.get("master_key_count", 0)),
-                sum(r["cached_tokens"] for r in warm["results"]), same,
-            ))  # fmt: skip
+            runs.append(
+                ConnectorRun(
+                    name,
+                    _median_ttft(cold),
+                    _median_ttft(warm),
+                    int(
+                        after.get("master_allocated_bytes", 0)
+                        - before.get("master_allocated_bytes", 0)
+                    ),
+                    int(after.get("master_key_count", 0) - before.get("master_key_count", 0)),
+                    sum(r["cached_tokens"] for r in warm["results"]),
+                    same,
+                )
+            )
     finally:
         pool.stop()
     return EngineBench(_median_ttft(baseline), tuple(runs), tuple(len(p) for p in ids))

@@ -36,28 +36,55 @@ def _mib(n: float) -> str:
 def demo_tables(report: DemoReport) -> Group:
     """The per-request table and the totals, as one renderable."""
     t = Table(title="kvpool demo: cold engine, then a fresh (warm) engine on the same pool")
-    for name in ("request", "prompt tokens", "cold cached", "warm cached", "cold TTFT",
-                 "warm TTFT", "speed-up", "same output"):  # fmt: skip
+    for name in (
+        "request",
+        "prompt tokens",
+        "cold cached",
+        "warm cached",
+        "cold TTFT",
+        "warm TTFT",
+        "speed-up",
+        "same output",
+    ):
         t.add_column(name, justify="left" if name == "request" else "right")
     for r in report.rows:
         speed = r.cold_ttft_s / r.warm_ttft_s if r.warm_ttft_s > 0 else 0.0
-        t.add_row(r.name, str(r.prompt_tokens), str(r.cold_cached), str(r.warm_cached),
-                  f"{r.cold_ttft_s * 1000:.0f} ms", f"{r.warm_ttft_s * 1000:.0f} ms",
-                  f"{speed:.1f}x", "yes" if r.identical else "[red]NO[/red]")  # fmt: skip
+        t.add_row(
+            r.name,
+            str(r.prompt_tokens),
+            str(r.cold_cached),
+            str(r.warm_cached),
+            f"{r.cold_ttft_s * 1000:.0f} ms",
+            f"{r.warm_ttft_s * 1000:.0f} ms",
+            f"{speed:.1f}x",
+            "yes" if r.identical else "[red]NO[/red]",
+        )
     s = Table(title="totals")
     s.add_column("")
     s.add_column("cold", justify="right")
     s.add_column("warm", justify="right")
     cold_ttft = sum(r.cold_ttft_s for r in report.rows)
     warm_ttft = sum(r.warm_ttft_s for r in report.rows)
-    s.add_row("tokens found cached", str(sum(r.cold_cached for r in report.rows)),
-              str(report.warm_hit_tokens))  # fmt: skip
-    s.add_row("tokens loaded from the pool", str(report.cold.get("hit_tokens", 0)),
-              str(report.warm.get("hit_tokens", 0)))  # fmt: skip
-    s.add_row("bytes saved to the pool", _mib(report.cold.get("bytes_saved", 0)),
-              _mib(report.warm.get("bytes_saved", 0)))  # fmt: skip
-    s.add_row("bytes loaded from the pool", _mib(report.cold.get("bytes_loaded", 0)),
-              _mib(report.warm.get("bytes_loaded", 0)))  # fmt: skip
+    s.add_row(
+        "tokens found cached",
+        str(sum(r.cold_cached for r in report.rows)),
+        str(report.warm_hit_tokens),
+    )
+    s.add_row(
+        "tokens loaded from the pool",
+        str(report.cold.get("hit_tokens", 0)),
+        str(report.warm.get("hit_tokens", 0)),
+    )
+    s.add_row(
+        "bytes saved to the pool",
+        _mib(report.cold.get("bytes_saved", 0)),
+        _mib(report.warm.get("bytes_saved", 0)),
+    )
+    s.add_row(
+        "bytes loaded from the pool",
+        _mib(report.cold.get("bytes_loaded", 0)),
+        _mib(report.warm.get("bytes_loaded", 0)),
+    )
     s.add_row("lookups", str(report.cold.get("lookups", 0)), str(report.warm.get("lookups", 0)))
     s.add_row("sum of TTFT", f"{cold_ttft:.2f} s", f"{warm_ttft:.2f} s")
     s.add_row("pool after both", f"{report.pool_keys} keys", _mib(report.pool_bytes))
@@ -94,12 +121,21 @@ def _plot(report: DemoReport, path: Path) -> None:
 @click.option("--conversations", default=4, show_default=True, type=click.IntRange(1, 64))
 @click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--document-tokens", default=1536, show_default=True, type=click.IntRange(32, 3000))
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep the model, logs and pool here (default: a temporary folder).")  # fmt: skip
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a PNG of cold vs warm time to first token.")  # fmt: skip
-def demo(conversations: int, turns: int, document_tokens: int, workdir: Path | None,
-         plot: Path | None) -> None:  # fmt: skip
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the model, logs and pool here (default: a temporary folder).",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a PNG of cold vs warm time to first token.",
+)
+def demo(
+    conversations: int, turns: int, document_tokens: int, workdir: Path | None, plot: Path | None
+) -> None:
     """Run a cold and a warm vLLM engine sharing prefixes through a private pool."""
     from kvpool.cli.console import console
     from kvpool.demo.run import run_demo
@@ -110,8 +146,12 @@ def demo(conversations: int, turns: int, document_tokens: int, workdir: Path | N
         raise click.ClickException(f"kvpool demo needs vLLM ({exc}); run scripts/setup.sh") from exc
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
         folder = workdir or Path(tmp)
-        columns = (TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn())  # fmt: skip
+        columns = (
+            TextColumn("{task.description:<12}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
         with Progress(*columns, console=console, transient=False) as bars:
             tasks: dict[str, TaskID] = {}
 
@@ -120,8 +160,13 @@ def demo(conversations: int, turns: int, document_tokens: int, workdir: Path | N
                     tasks[phase] = bars.add_task(phase, total=total)
                 bars.update(tasks[phase], completed=done, total=total)
 
-            report = run_demo(folder, conversations=conversations, turns=turns,
-                              document_tokens=document_tokens, on_progress=on_progress)  # fmt: skip
+            report = run_demo(
+                folder,
+                conversations=conversations,
+                turns=turns,
+                document_tokens=document_tokens,
+                on_progress=on_progress,
+            )
         console.print(demo_tables(report))
         if plot is not None:
             _plot(report, plot)

@@ -97,13 +97,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             float(step[tok].logprob)
             for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)
         ]
-        results.append({
-            "tokens": list(comp.token_ids),
-            "logprobs": logprobs,
-            "cached_tokens": int(out.num_cached_tokens or 0),
-            "ttft_s": ttft,
-            "total_s": total,
-        })  # fmt: skip
+        results.append(
+            {
+                "tokens": list(comp.token_ids),
+                "logprobs": logprobs,
+                "cached_tokens": int(out.num_cached_tokens or 0),
+                "ttft_s": ttft,
+                "total_s": total,
+            }
+        )
     if spec.get("progress"):
         sys.stdout.write(f"\nKVPOOL-PROGRESS {len(spec['prompts'])}\n")
     return {"startup_s": startup, "results": results, "connector": _connector_stats(llm)}
@@ -118,9 +120,13 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
         worker = getattr(get_kv_transfer_group(), "_worker", None)
         stats = worker.stats() if worker is not None else None
         if stats is not None:
-            out.update(bytes_saved=stats.bytes_put, bytes_loaded=stats.bytes_loaded,
-                       chunks_saved=stats.chunks_put, chunks_loaded=stats.chunks_loaded,
-                       failures=dict(stats.failures))  # fmt: skip
+            out.update(
+                bytes_saved=stats.bytes_put,
+                bytes_loaded=stats.bytes_loaded,
+                chunks_saved=stats.chunks_put,
+                chunks_loaded=stats.chunks_loaded,
+                failures=dict(stats.failures),
+            )
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
         if sched is not None:
             out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)

@@ -104,8 +104,11 @@ def _run_engine(spec: dict[str, Any], path: Path, phase: str, progress: Progress
     progress(phase, 0, total)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvpool.demo.engine", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
     assert proc.stdout is not None and proc.stderr is not None
     result = None
     for line in proc.stdout:
@@ -137,8 +140,9 @@ def run_demo(
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
     progress("model", 0, 1)
-    model = build_tiny_llama(workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64,
-                             kv_heads=hidden // 64)  # fmt: skip
+    model = build_tiny_llama(
+        workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64
+    )
     progress("model", 1, 1)
     requests = workload(conversations, turns, system_tokens, document_tokens, user_tokens)
     pool = LocalPool.start(workdir / "pool", segment_size=1 << 30)

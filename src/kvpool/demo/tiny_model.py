@@ -34,8 +34,15 @@ def build_tiny_llama(
 ) -> Path:
     """Write the model and tokenizer into ``folder`` (reused if already built alike)."""
     folder = Path(folder)
-    spec = {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
-            "intermediate": intermediate, "max_positions": max_positions, "seed": seed}  # fmt: skip
+    spec = {
+        "layers": layers,
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "intermediate": intermediate,
+        "max_positions": max_positions,
+        "seed": seed,
+    }
     stamp = folder / "kvpool-tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return folder
@@ -58,8 +65,13 @@ def build_tiny_llama(
             show_progress=False,
         ),
     )
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>", pad_token="<pad>")  # fmt: skip
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
     tok.save_pretrained(folder)
     cfg = LlamaConfig(
         vocab_size=max(1024, len(tok)),

@@ -31,6 +31,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import PoolConfig, load_config
 from kvpool.errors import KVPoolError
@@ -42,6 +47,7 @@ from kvpool.vllm.identity import EngineIdentity, engine_identity, worker_rank
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.scheduler import SchedulerSide
 from kvpool.vllm.settings import ConnectorSettings, parse_extra
+from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats
 from kvpool.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -71,8 +77,7 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
         )
         inner = open_store("mooncake", pool, shared_memory=shm)
         path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
-        logger.info("kvpool: worker moves KV to the pool at %s over %s",
-                    pool.master_address, path)  # fmt: skip
+        logger.info("kvpool: worker moves KV to the pool at %s over %s", pool.master_address, path)
         return FramedStore(inner, identity.space.fingerprint, checksum=pool.checksum)
 
     return open_framed
@@ -80,6 +85,9 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
 
 class KVPoolConnector(KVConnectorBase_V1):
     """Shares KV blocks between engines through a kvpool pool. See the module docstring."""
+
+    # Hits come from the pool's host memory (a holder process, local or remote).
+    _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
         self,
@@ -217,6 +225,24 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._worker is None or len(self._kv_cache_config.kv_cache_groups) > 1:
             return set()
         return self._worker.load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._worker.interval_stats() if self._worker is not None else None
+        return KVPoolStats(data=data) if data is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVPoolStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.worker_meta() if self._worker is not None else None

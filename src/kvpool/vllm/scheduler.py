@@ -176,5 +176,8 @@ class SchedulerSide:
             until = time.monotonic() + self.settings.failed_key_ttl_s
             for h in meta.failed_hashes:
                 self._suppressed[h] = until
-            logger.info("kvpool: %d chunk(s) failed to load; lookups skip them for %.0f s",
-                        len(meta.failed_hashes), self.settings.failed_key_ttl_s)  # fmt: skip
+            logger.info(
+                "kvpool: %d chunk(s) failed to load; lookups skip them for %.0f s",
+                len(meta.failed_hashes),
+                self.settings.failed_key_ttl_s,
+            )

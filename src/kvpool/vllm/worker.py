@@ -32,6 +32,7 @@ from kvpool.transfer import ChunkRef, TransferEngine, TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.settings import ConnectorSettings
+from kvpool.vllm.stats import KVPoolStats, stats_delta
 
 __all__ = ["WorkerSide"]
 
@@ -62,6 +63,7 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._failed_hashes: set[bytes] = set()
         self._unfinished_without_engine: set[str] = set()
+        self._last_stats = TransferStats()
 
     # -- set-up ------------------------------------------------------------------
 
@@ -149,8 +151,12 @@ class WorkerSide:
                 self._invalid |= result.invalid_block_ids
                 self._failed_hashes.update(hashes[k] for k in bad)
                 causes = sorted({result.statuses[k].value for k in bad})
-                logger.warning("kvpool: load of %d chunk(s) of %s failed (%s); recomputing",
-                               len(bad), req_id, ", ".join(causes))  # fmt: skip
+                logger.warning(
+                    "kvpool: load of %d chunk(s) of %s failed (%s); recomputing",
+                    len(bad),
+                    req_id,
+                    ", ".join(causes),
+                )
         return done, failed
 
     def load_errors(self) -> set[int]:
@@ -166,6 +172,17 @@ class WorkerSide:
 
     def stats(self) -> TransferStats | None:
         return self.engine.stats() if self.engine is not None else None
+
+    def interval_stats(self) -> dict[str, Any] | None:
+        """Counters since the previous call (None when idle or nothing happened)."""
+        if self.engine is None:
+            return None
+        now = self.engine.stats()
+        data = stats_delta(
+            now, self._last_stats, self.engine.queue_depth, self.engine.in_backpressure
+        )
+        self._last_stats = now
+        return data if KVPoolStats(data=data).is_empty() is False else None
 
     def close(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,132 @@
+"""Connector counters for vLLM's stats logger and Prometheus.
+
+    stats_delta(now, before, depth, pressure) -> the data dict of one interval
+    KVPoolStats       vLLM's KVConnectorStats over that dict: counters add up
+                      across workers and intervals; gauges keep the maximum
+    KVPoolPromMetrics registers ``vllm:kvpool_*`` counters and gauges, per engine
+
+Counters: chunks and bytes saved and loaded, chunks skipped as already stored,
+saves refused (backpressure, staging or queue full), load failures by cause,
+backpressure events. Gauges: transfer queue depth, backpressure (0/1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+from kvpool.transfer import TransferStats
+
+__all__ = ["GAUGES", "KVPoolPromMetrics", "KVPoolStats", "stats_delta"]
+
+GAUGES = ("queue_depth", "backpressure")
+COUNTERS = {
+    "chunks_saved": "Chunk objects written to the pool",
+    "bytes_saved": "Payload bytes written to the pool",
+    "chunks_skipped": "Chunks not written because the pool had them already",
+    "saves_refused": "Save jobs refused (backpressure, staging or queue full)",
+    "chunks_loaded": "Chunk objects loaded from the pool",
+    "bytes_loaded": "Payload bytes loaded from the pool",
+    "load_failures": "Chunk loads that failed (missing, corrupt, transfer failure, ...)",
+    "backpressure_events": "Times saves were paused because the pool refused puts",
+}
+
+
+def stats_delta(
+    now: TransferStats, before: TransferStats, queue_depth: int, backpressure: bool
+) -> dict[str, Any]:
+    """Counters since ``before``, plus current gauges and failures by cause."""
+    failures = now.failures - before.failures
+    return {
+        "chunks_saved": now.chunks_put - before.chunks_put,
+        "bytes_saved": now.bytes_put - before.bytes_put,
+        "chunks_skipped": (now.chunks_skipped_known + now.chunks_skipped_exist)
+        - (before.chunks_skipped_known + before.chunks_skipped_exist),
+        "saves_refused": sum(now.saves_refused.values()) - sum(before.saves_refused.values()),
+        "chunks_loaded": now.chunks_loaded - before.chunks_loaded,
+        "bytes_loaded": now.bytes_loaded - before.bytes_loaded,
+        "load_failures": sum(failures.values()),
+        "backpressure_events": now.backpressure_events - before.backpressure_events,
+        "failures_by_cause": dict(failures),
+        "queue_depth": queue_depth,
+        "backpressure": int(backpressure),
+    }
+
+
+@dataclass
+class KVPoolStats(KVConnectorStats):
+    """One interval of kvpool counters (``data`` as made by ``stats_delta``)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged: dict[str, Any] = dict(self.data)
+        for k, v in other.data.items():
+            if k in GAUGES:
+                merged[k] = max(merged.get(k, 0), v)
+            elif k == "failures_by_cause":
+                causes = dict(merged.get(k, {}))
+                for cause, n in v.items():
+                    causes[cause] = causes.get(cause, 0) + n
+                merged[k] = causes
+            else:
+                merged[k] = merged.get(k, 0) + v
+        return KVPoolStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            k: v for k, v in self.data.items() if isinstance(v, int | float)
+        }
+        for cause, n in self.data.get("failures_by_cause", {}).items():
+            out[f"load_failures_{cause}"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        active = ("chunks_saved", "chunks_loaded", "load_failures", "saves_refused")
+        return not any(self.data.get(k) for k in (*active, "chunks_skipped"))
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvpool_<counter>_total`` and ``vllm:kvpool_<gauge>`` per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:kvpool_{name}_total", documentation=doc, labelnames=labelnames
+            )
+            for name, doc in COUNTERS.items()
+        }
+        self._gauges = {
+            "queue_depth": self._gauge_cls(
+                name="vllm:kvpool_queue_depth",
+                documentation="Transfer jobs queued on the workers (max over workers)",
+                labelnames=labelnames,
+            ),
+            "backpressure": self._gauge_cls(
+                name="vllm:kvpool_backpressure",
+                documentation="1 while saves are paused because the pool refused puts",
+                labelnames=labelnames,
+            ),
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, counter in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                counter.labels(*labels).inc(value)
+        for name, gauge in self._gauges.items():
+            gauge.labels(*labels).set(transfer_stats_data.get(name, 0))

@@ -1,0 +1,54 @@
+"""Connector stats: deltas, aggregation across workers, Prometheus export."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import prometheus_client
+
+from kvpool.transfer import TransferStats
+from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats, stats_delta
+
+
+def test_delta_aggregate_and_reduce() -> None:
+    before = TransferStats(chunks_put=2, bytes_put=100)
+    now = TransferStats(
+        chunks_put=5,
+        bytes_put=400,
+        chunks_loaded=1,
+        bytes_loaded=50,
+        failures=Counter({"missing": 2}),
+        saves_refused=Counter(backpressure=1),
+    )
+    a = KVPoolStats(data=stats_delta(now, before, queue_depth=3, backpressure=True))
+    b = KVPoolStats(data=stats_delta(now, now, queue_depth=1, backpressure=False))
+    assert b.is_empty() and not a.is_empty()
+    total = a.aggregate(b).aggregate(a)
+    reduced = total.reduce()
+    assert reduced["chunks_saved"] == 6 and reduced["bytes_saved"] == 600
+    assert reduced["load_failures"] == 4 and reduced["load_failures_missing"] == 4
+    assert reduced["queue_depth"] == 3 and reduced["backpressure"] == 1
+    assert reduced["saves_refused"] == 2
+
+
+def test_prometheus_metrics_are_exported() -> None:
+    registry = prometheus_client.CollectorRegistry()
+
+    def counter(**kw: object) -> prometheus_client.Counter:
+        return prometheus_client.Counter(registry=registry, **kw)  # type: ignore[arg-type]
+
+    def gauge(**kw: object) -> prometheus_client.Gauge:
+        return prometheus_client.Gauge(registry=registry, **kw)  # type: ignore[arg-type]
+
+    config = SimpleNamespace(kv_transfer_config=None)
+    types = {
+        prometheus_client.Counter: counter,
+        prometheus_client.Gauge: gauge,
+        prometheus_client.Histogram: prometheus_client.Histogram,
+    }
+    metrics = KVPoolPromMetrics(config, types, ["engine"], {0: ["0"]})
+    metrics.observe({"chunks_saved": 3, "bytes_saved": 1024, "queue_depth": 2}, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvpool_chunks_saved_total{engine="0"} 3.0' in text
+    assert 'vllm:kvpool_queue_depth{engine="0"} 2.0' in text

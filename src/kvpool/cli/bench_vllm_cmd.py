@@ -12,12 +12,11 @@ import tempfile
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
 from kvpool.cli.bench_cmd import bench
-from kvpool.cli.console import console
+from kvpool.cli.console import PhaseBars, console
 
 __all__ = ["engine_bench_table"]
 
@@ -93,28 +92,17 @@ def bench_vllm(
         raise click.BadParameter("use kvpool and/or mooncake", param_hint="--connectors")
     if min_tokens >= max_tokens:
         raise click.BadParameter("must exceed --min-tokens", param_hint="--max-tokens")
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp:
-        bars = Progress(
-            TextColumn("{task.description:<16}"), BarColumn(), MofNCompleteColumn(), console=console
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp, PhaseBars() as bars:
+        result = run_engine_bench(
+            workdir or Path(tmp),
+            prompts=prompts,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            layers=layers,
+            hidden=hidden,
+            connectors=names,
+            on_progress=bars,
         )
-        tasks: dict[str, TaskID] = {}
-
-        def on_progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bars.add_task(phase, total=total)
-            bars.update(tasks[phase], completed=done, total=total)
-
-        with bars:
-            result = run_engine_bench(
-                workdir or Path(tmp),
-                prompts=prompts,
-                min_tokens=min_tokens,
-                max_tokens=max_tokens,
-                layers=layers,
-                hidden=hidden,
-                connectors=names,
-                on_progress=on_progress,
-            )
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:

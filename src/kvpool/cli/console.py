@@ -1,7 +1,44 @@
-"""The one rich console every ``kvpool`` command prints on (tests capture stdout)."""
+"""The one rich console every ``kvpool`` command prints on, and phase progress bars."""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 console = Console()
+
+
+class PhaseBars:
+    """Progress bars, one per named phase, fed by ``(phase, done, total)`` callbacks.
+
+    Use as a context manager; pass the instance itself as the callback.
+    """
+
+    def __init__(self) -> None:
+        self._bars = Progress(
+            TextColumn("{task.description:<16}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self._tasks: dict[str, TaskID] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self._tasks:
+            self._tasks[phase] = self._bars.add_task(phase, total=total)
+        self._bars.update(self._tasks[phase], completed=done, total=total)
+
+    def __enter__(self) -> PhaseBars:
+        self._bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bars.stop()

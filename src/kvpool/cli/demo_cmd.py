@@ -14,16 +14,9 @@ from pathlib import Path
 
 import click
 from rich.console import Group
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from rich.table import Table
 
+from kvpool.cli.console import PhaseBars
 from kvpool.demo.run import DemoReport
 
 __all__ = ["demo", "demo_tables"]
@@ -146,26 +139,13 @@ def demo(
         raise click.ClickException(f"kvpool demo needs vLLM ({exc}); run scripts/setup.sh") from exc
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
         folder = workdir or Path(tmp)
-        columns = (
-            TextColumn("{task.description:<12}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=console, transient=False) as bars:
-            tasks: dict[str, TaskID] = {}
-
-            def on_progress(phase: str, done: int, total: int) -> None:
-                if phase not in tasks:
-                    tasks[phase] = bars.add_task(phase, total=total)
-                bars.update(tasks[phase], completed=done, total=total)
-
+        with PhaseBars() as bars:
             report = run_demo(
                 folder,
                 conversations=conversations,
                 turns=turns,
                 document_tokens=document_tokens,
-                on_progress=on_progress,
+                on_progress=bars,
             )
         console.print(demo_tables(report))
         if plot is not None:

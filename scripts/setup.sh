@@ -13,7 +13,11 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
 fi
 
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A venv whose creation was interrupted has python but no pip: make it again.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
 
 # Reinstall only when the dependency list changed.
 stamp=.venv/.kvpool-deps

@@ -24,7 +24,7 @@ class ConnectorSettings:
     """How the connector behaves; every field has a default that works after `kvpool up`."""
 
     chunk_size: int = 0  # tokens per pool object; 0 = the engine's block size
-    lookup_timeout_ms: float = 20.0  # deadline of one scheduler-side lookup
+    lookup_timeout_ms: float = 50.0  # deadline of one scheduler-side lookup (then a miss)
     lookup_async: bool = False  # answer "ask again later" instead of waiting
     save_decode: bool = False  # also save chunks completed during decode
     instance: str = ""  # names the lookup endpoint; "" = from the config fingerprint

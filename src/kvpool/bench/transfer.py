@@ -12,8 +12,9 @@ two KV caches are built in vLLM's CPU layout (one contiguous float32
 allocation; per layer a view ``[num_blocks, 2, block_size, kv_heads*head_size]``;
 a chunk object is one block over all layers). Every repeat saves ``total //
 size`` chunks from randomly chosen blocks of the first cache with
-``submit_save`` + ``wait`` (in jobs of ``job_bytes``), then loads them into
-other random blocks of the second cache with ``submit_load`` + ``wait``, through
+``submit_save`` + ``wait`` (in jobs of ``job_bytes``, at most 1024 segments:
+``job_size``), then loads them into other random blocks of the second cache
+with ``submit_load`` + ``wait``, through
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
 * ``kvpool+checksum``: the same with xxh3 checksums written and verified,
@@ -34,13 +35,14 @@ bytes; end to end is bytes / median(save + load).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +65,7 @@ __all__ = [
     "SizeResult",
     "TransferBench",
     "VariantResult",
+    "job_size",
     "kv_shape_for",
     "measure_hook_overhead",
     "run_transfer_bench",
@@ -75,8 +78,8 @@ VARIANTS = ("raw", "kvpool", "kvpool+checksum")
 _BENCH_FP = "6b76706f6f6c6265"  # b"kvpoolbe": the bench's own key space
 _DTYPE_BYTES = 4  # float32, as vLLM's CPU backend runs the tiny models
 _WAIT_S = 120.0  # a job that takes longer than this is a hung pool
+MAX_SLICES = 1024  # segments per batch call kept well below the TCP lane queue (2048)
 
-Path = Literal["tcp", "shm"]
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
@@ -104,9 +107,7 @@ class KVShape:
         return self.layers * self.layer_block_nbytes
 
     def __str__(self) -> str:
-        return (
-            f"{self.layers}L x [2, {self.block_size}, {self.kv_heads}x{self.head_size}] f32"
-        )
+        return f"{self.layers}L x [2, {self.block_size}, {self.kv_heads}x{self.head_size}] f32"
 
 
 def kv_shape_for(size: int, layers: int = 8) -> KVShape:
@@ -191,7 +192,9 @@ class HookOverhead:
     steps: int
     submit_poll_us: float  # TransferEngine.submit_save(job, []) + poll()
     metadata_us: float  # building an empty KVPoolMetadata
-    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta
+    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta,
+    #                  interval_stats: every worker hook the connector calls per step
+    stats_us: float  # of which interval_stats (the connector's get_kv_connector_stats)
 
     @property
     def step_us(self) -> float:
@@ -323,8 +326,12 @@ def _engine_round(
 ) -> tuple[float, float, float, npt.NDArray[np.bool_]]:
     """(save s, time in submit_save s, load s, per object: saved and loaded OK)."""
     tag = keys[0]
-    saves = [ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, src_ids, strict=True))]
-    loads = [ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, dst_ids, strict=True))]
+    saves = [
+        ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, src_ids, strict=True))
+    ]
+    loads = [
+        ChunkRef(k, 0, i, (int(b),)) for i, (k, b) in enumerate(zip(keys, dst_ids, strict=True))
+    ]
     ok = np.ones(len(keys), dtype=np.bool_)
     save_ids: list[Hashable] = [(tag, "save", j) for j in range(len(jobs))]
     load_ids: list[Hashable] = [(tag, "load", j) for j in range(len(jobs))]
@@ -356,7 +363,7 @@ def _engine_round(
 
 
 def _raw_round(
-    raw: object,
+    raw: Any,
     keys: list[str],
     put: tuple[list[list[int]], list[list[int]]],
     get: tuple[list[list[int]], list[list[int]]],
@@ -364,8 +371,8 @@ def _raw_round(
     jobs: list[tuple[int, int]],
 ) -> tuple[float, float, npt.NDArray[np.bool_]]:
     """(put s, get s, per object OK): Mooncake's multi-buffer batch calls, one per job."""
-    put_one = raw.batch_put_from_multi_buffers  # type: ignore[attr-defined]
-    get_one = raw.batch_get_into_multi_buffers  # type: ignore[attr-defined]
+    put_one = raw.batch_put_from_multi_buffers
+    get_one = raw.batch_get_into_multi_buffers
     codes_put: list[int] = []
     codes_get: list[int] = []
     start = time.perf_counter()
@@ -386,7 +393,7 @@ def _split(segments: list[list[Segment]]) -> tuple[list[list[int]], list[list[in
 
 def _bench_size(
     config: PoolConfig,
-    path: Path,
+    path: str,
     shape: KVShape,
     objects: int,
     repeats: int,
@@ -406,16 +413,21 @@ def _bench_size(
     copies: list[float] = []
     shm = path == "shm"
     with contextlib.ExitStack() as stack:
-        framed = FramedStore(MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=False)
+        inner = MooncakeStore(config, shared_memory=shm)
+        framed = FramedStore(inner, _BENCH_FP, checksum=False)
         stack.callback(framed.close)
         raw_store = MooncakeStore(config, shared_memory=shm)
         stack.callback(raw_store.close)
         # Raw puts and gets need memory their client can use: the KV caches themselves
         # over TCP, replicas in the dummy client's shared memory otherwise.
         if raw_store.shared_memory:
-            raw_src = _KVCache(shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes)))
+            raw_src = _KVCache(
+                shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes))
+            )
             raw_src.bytes[:] = src.bytes
-            raw_dst = _KVCache(shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes)))
+            raw_dst = _KVCache(
+                shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes))
+            )
         else:
             raw_src, raw_dst = src, dst
             raw_store.register_memory(src.base, src.nbytes)
@@ -424,7 +436,7 @@ def _bench_size(
         stack.callback(saver.close)
         loader = TransferEngine(framed, [dst.layers], objects, staging_bytes=staging_bytes)
         stack.callback(loader.close)
-        transport = "shared memory" if framed.inner.shared_memory else config.protocol  # type: ignore[attr-defined]
+        transport = "shared memory" if inner.shared_memory else config.protocol
         for rep in range(repeats + 1):  # repeat 0 warms up and verifies; not counted
             src_ids = rng.permutation(objects).astype(np.int64)
             dst_ids = rng.permutation(objects).astype(np.int64)
@@ -484,6 +496,18 @@ def _bench_size(
 # --------------------------------------------------------------------------- the run
 
 
+def job_size(shape: KVShape, objects: int, job_bytes: int) -> int:
+    """Chunks per save/load job: ``job_bytes`` worth, at most ``MAX_SLICES`` segments.
+
+    Mooncake's TCP transport queues about 2048 slices in flight; a batch call
+    that overflows it (a direct load moves one segment per layer and object)
+    fails the excess objects with -800, at times only after blocking 60 s, and
+    so does the raw baseline. Half of that keeps clear of it (measured).
+    """
+    per_object = max(shape.layers, 2)  # direct loads: one per layer; saves: header + payload
+    return max(1, min(objects, job_bytes // shape.object_nbytes, MAX_SLICES // per_object))
+
+
 def run_transfer_bench(
     config: PoolConfig,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -494,11 +518,14 @@ def run_transfer_bench(
     job_bytes: int = 16 * MiB,
     hook_steps: int = 10_000,
     on_progress: Progress | None = None,
+    staging_bytes: int | None = None,
 ) -> TransferBench:
     """Measure every path and size (and the idle hooks unless ``hook_steps`` is 0).
 
-    Raises ``ValueError`` for sizes no KV shape gives or that exceed
-    ``total_bytes``, and ``StoreError`` if the pool cannot be used.
+    ``staging_bytes`` per engine defaults to vLLM's connector default (256 MiB)
+    or twice ``total_bytes`` if larger. Raises ``ValueError`` for sizes no KV
+    shape gives or that exceed ``total_bytes``, and ``StoreError`` if the pool
+    cannot be used.
     """
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
@@ -509,24 +536,21 @@ def run_transfer_bench(
         raise ValueError(f"every object size must be in 1..{total_bytes} bytes (--total)")
     shapes = [kv_shape_for(s, layers) for s in sizes]
     progress = on_progress or (lambda *_: None)
-    # Room for one repeat's saves in flight, as vLLM's default staging would have.
-    staging = max(256 * MiB, 2 * total_bytes)
+    staging = staging_bytes or max(256 * MiB, 2 * total_bytes)
     results = []
+    steps = len(shapes) * (repeats + 1)
     for path in paths:
-        done = 0
-        steps = len(shapes) * (repeats + 1)
         progress(path, 0, steps)
+        counter = itertools.count(1)
         for shape in shapes:
 
-            def tick(p: str = path) -> None:
-                nonlocal done
-                done += 1
-                progress(p, done, steps)
+            def tick(p: str = path, c: Iterator[int] = counter) -> None:
+                progress(p, next(c), steps)
 
             objects = total_bytes // shape.object_nbytes
-            job_chunks = max(1, min(objects, job_bytes // shape.object_nbytes))
+            job_chunks = job_size(shape, objects, job_bytes)
             results.append(
-                _bench_size(config, path, shape, objects, repeats, job_chunks, staging, tick)  # type: ignore[arg-type]
+                _bench_size(config, path, shape, objects, repeats, job_chunks, staging, tick)
             )
     hooks = measure_hook_overhead(config, hook_steps, progress) if hook_steps > 0 else None
     return TransferBench(
@@ -549,7 +573,9 @@ def measure_hook_overhead(
     Builds a ``WorkerSide`` by hand (the connector's worker half, on a small KV
     cache of 16 blocks, over ``FramedStore(MooncakeStore)``) and times, per step,
     ``submit_save(job, [])`` + ``poll()`` on its engine, building an empty
-    ``KVPoolMetadata``, and the worker hooks on it. Imports vLLM (seconds).
+    ``KVPoolMetadata``, and the worker hooks the connector calls every step on
+    it (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
+    ``worker_meta``, ``interval_stats``), the last also alone. Imports vLLM (seconds).
     """
     from kvpool.vllm.identity import EngineIdentity
     from kvpool.vllm.metadata import KVPoolMetadata
@@ -578,7 +604,7 @@ def measure_hook_overhead(
         engine = worker.engine
         if engine is None:
             raise StoreError(f"the worker could not open the pool at {config.master_address}")
-        phases = 3
+        phases = 4
         progress("hooks", 0, phases)
         clock = time.perf_counter_ns
         empty: list[int] = []
@@ -603,8 +629,21 @@ def measure_hook_overhead(
             worker.finished()
             worker.load_errors()
             worker.worker_meta()
+            worker.interval_stats()
             hooks_ns.append(clock() - t)
         progress("hooks", 3, phases)
+        stats_ns: list[int] = []
+        for _ in range(steps):
+            t = clock()
+            worker.interval_stats()
+            stats_ns.append(clock() - t)
+        progress("hooks", 4, phases)
     finally:
         worker.close()
-    return HookOverhead(steps, _median_us(empty), _median_us(meta_ns), _median_us(hooks_ns))
+    return HookOverhead(
+        steps,
+        _median_us(empty),
+        _median_us(meta_ns),
+        _median_us(hooks_ns),
+        _median_us(stats_ns),
+    )

@@ -178,3 +178,26 @@ def test_remove_prefix_removes_only_keys_under_the_prefix(local_pool: Any) -> No
         assert store.batch_exists(keys) == [Status.MISSING, Status.MISSING, Status.OK, Status.OK]
     finally:
         store.close()
+
+
+def test_batches_beyond_mooncakes_segments_in_flight_all_succeed(local_pool: Any) -> None:
+    """3,200 segments in one call: Mooncake's TCP transport alone fails or stalls past ~2,048."""
+    objects, parts, size = 400, 8, 4096
+    src = np.random.default_rng(0).integers(0, 255, objects * parts * size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with MooncakeStore(local_pool.config()) as store:
+        store.register_memory(src.ctypes.data, src.nbytes)
+        store.register_memory(dst.ctypes.data, dst.nbytes)
+        keys = [f"segs/{i}" for i in range(objects)]
+
+        def scatter(base: int) -> list[list[tuple[int, int]]]:
+            # Every other 4 KiB piece first, so that no two segments of an object are adjacent.
+            order = [*range(0, parts, 2), *range(1, parts, 2)]
+            return [[(base + (i * parts + j) * size, size) for j in order] for i in range(objects)]
+
+        started = time.monotonic()
+        assert store.batch_put(keys, scatter(src.ctypes.data)) == [Status.OK] * objects
+        assert store.batch_get(keys, scatter(dst.ctypes.data)) == [Status.OK] * objects
+        assert time.monotonic() - started < 30
+        assert np.array_equal(src, dst)
+        store.batch_remove(keys, force=True)

@@ -152,6 +152,9 @@ def _bound_waits(config: PoolConfig, env: dict[str, str] | os._Environ[str]) -> 
             env.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
 
 
+SEGMENTS_IN_FLIGHT = 1024  # per transfer call; see MooncakeStore._by_segments
+
+
 class MooncakeStore(KVStore):
     """A Mooncake Store client. See the module docstring.
 
@@ -170,6 +173,7 @@ class MooncakeStore(KVStore):
         _bound_waits(config, os.environ)
         self.config = config
         self._cond = threading.Condition()
+        self._transfer_lock = threading.Lock()
         self._inflight = 0
         self.shared_memory = False
         if shared_memory:
@@ -310,6 +314,39 @@ class MooncakeStore(KVStore):
         ]
 
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self._by_segments(keys, segments, self._put_some)
+
+    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self._by_segments(keys, segments, self._get_some)
+
+    def _by_segments(
+        self,
+        keys: Sequence[str],
+        segments: Sequence[Segments],
+        call: Callable[[Sequence[str], Sequence[Segments]], list[Status]],
+    ) -> list[Status]:
+        """Run ``call`` on sub-batches of at most SEGMENTS_IN_FLIGHT segments, one at a time.
+
+        Mooncake's TCP transport keeps about 2048 segments in flight; past that a
+        batch fails with -800 or blocks for 60 s (measured). Sub-batches, and one
+        transfer at a time per client (saves and loads run on two threads), keep
+        every call under the limit.
+        """
+        out: list[Status] = []
+        start = 0
+        while start < len(keys):
+            end, count = start, 0
+            while end < len(keys) and (
+                end == start or count + len(segments[end]) <= SEGMENTS_IN_FLIGHT
+            ):
+                count += len(segments[end])
+                end += 1
+            with self._transfer_lock:
+                out += call(keys[start:end], segments[start:end])
+            start = end
+        return out
+
+    def _put_some(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         ptrs, sizes = _split(segments)
         with self._using() as store:
             if store is None:
@@ -323,7 +360,7 @@ class MooncakeStore(KVStore):
             )
         return self._statuses("put", keys, codes)
 
-    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+    def _get_some(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         ptrs, sizes = _split(segments)
         with self._using() as store:
             if store is None:

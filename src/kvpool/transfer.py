@@ -13,7 +13,8 @@
                                    as on Mooncake's same-host shared-memory path)
     poll()                         finished jobs (``JobResult``); never blocks
     wait(job_ids, timeout)         block until those jobs finish
-    close()                        stop the threads after the queued jobs
+    close()                        stop the threads after the queued jobs (staging
+                                   memory belongs to the store and goes with it)
 
 Guarantees:
 

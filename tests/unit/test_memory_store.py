@@ -133,7 +133,7 @@ def test_malformed_entries_are_invalid_and_do_not_disturb_others() -> None:
 class Recording(MemoryStore):
     """Records the batch sizes the base hands to the backend."""
 
-    max_batch = 2
+    max_batch = max_key_batch = 2
 
     def __init__(self) -> None:
         super().__init__()

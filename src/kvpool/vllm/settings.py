@@ -28,6 +28,8 @@ class ConnectorSettings:
     lookup_async: bool = False  # answer "ask again later" instead of waiting
     save_decode: bool = False  # also save chunks completed during decode
     instance: str = ""  # names the lookup endpoint; "" = from the config fingerprint
+    # "auto" = staged: loads land in staging, are verified, then copied into the
+    # KV cache; "direct" gets into the KV cache (zero-copy, per-layer segments).
     load_mode: Literal["auto", "direct", "staged"] = "auto"
     # Same-host fast path to the pool's holder: "auto" uses it when the holder
     # is on this host, falling back to TCP if it cannot be set up.

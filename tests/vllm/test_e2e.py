@@ -93,3 +93,21 @@ def test_corrupt_objects_are_recomputed_removed_and_never_loop(
     c = run_engine(spec(tiny_model, "kvpool", pool_file))
     assert c["results"][0]["cached_tokens"] >= 256
     assert [r["logprobs"] for r in c["results"]] == [r["logprobs"] for r in base["results"]]
+
+
+def test_chunks_gone_between_lookup_and_load_are_recomputed(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    base = run_engine(spec(tiny_model, "none"))
+    run_engine(spec(tiny_model, "kvpool", pool_file))
+    vanishing = spec(tiny_model, "kvpool", pool_file)
+    vanishing["extra"]["store"] = "faulty_store:VanishingStore"
+    b = run_engine(vanishing)
+    assert [r["tokens"] for r in b["results"]] == [r["tokens"] for r in base["results"]]
+    assert [r["logprobs"] for r in b["results"]] == [r["logprobs"] for r in base["results"]]
+    failures = b["log"].count("failed (missing)")
+    assert 1 <= failures <= len(b["results"])  # every lookup hit, each load missed once
+    # B saved what it recomputed, so a later engine hits again.
+    c = run_engine(spec(tiny_model, "kvpool", pool_file))
+    assert c["results"][0]["cached_tokens"] >= 256

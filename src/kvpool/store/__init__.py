@@ -2,8 +2,8 @@
 
     KVStore, Status, Segment      the interface (``kvpool.store.base``)
     open_store(name, config, **o) build the store registered as ``name``
-                                  (``"memory"`` or ``"mooncake"``), importing its
-                                  module only now
+                                  (``"memory"`` or ``"mooncake"``) or named
+                                  ``module:Class``, importing its module only now
     register_store(name, m, cls)  add a backend; a name is registered once
     store_names()                 the registered names
 
@@ -50,18 +50,24 @@ def store_names() -> list[str]:
 
 
 def open_store(name: str, config: PoolConfig | None = None, **options: Any) -> KVStore:
-    """Import the backend registered as ``name`` and build it from ``config``.
+    """Import the backend registered as ``name`` (or given as ``module:Class``)
+    and build it from ``config``.
 
     Raises ``ConfigError`` for an unknown name, and whatever the backend raises
     while setting up (``StoreUnavailable``, ``StoreMissingDependency``).
     """
-    try:
+    if name in _REGISTRY:
         module, class_name = _REGISTRY[name]
-    except KeyError:
+    elif name.count(":") == 1:
+        module, class_name = name.split(":")
+    else:
         raise ConfigError(
-            f"unknown store {name!r}; choose one of {', '.join(store_names())}"
-        ) from None
-    cls: _StoreClass = getattr(importlib.import_module(module), class_name)
+            f"unknown store {name!r}; choose one of {', '.join(store_names())} or give module:Class"
+        )
+    try:
+        cls: _StoreClass = getattr(importlib.import_module(module), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load store backend {name!r}: {exc}") from None
     return cls.from_config(config if config is not None else PoolConfig(), **options)
 
 

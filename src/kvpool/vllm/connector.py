@@ -75,7 +75,7 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
         shm = settings.shared_memory == "on" or (
             settings.shared_memory == "auto" and _holder_is_local(pool)
         )
-        inner = open_store("mooncake", pool, shared_memory=shm)
+        inner = open_store(settings.store, pool, shared_memory=shm)
         path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
         logger.info("kvpool: worker moves KV to the pool at %s over %s", pool.master_address, path)
         return FramedStore(inner, identity.space.fingerprint, checksum=pool.checksum)
@@ -131,7 +131,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         os.makedirs(run_dir, exist_ok=True)
         instance = settings.instance or identity.space.fingerprint[:12]
         endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
-        store = open_store("mooncake", pool)
+        store = open_store(settings.store, pool)
         self._closers.append(store.close)
         server = LookupServer(endpoint, store, identity.layout, identity.space, identity.chunk_size)
         server.start()

@@ -37,6 +37,7 @@ class ConnectorSettings:
     staging_bytes: int = 256 << 20  # per worker, for saves (and staged loads)
     failed_key_ttl_s: float = 60.0  # a chunk that failed to load reads as a miss this long
     run_dir: str = ""  # folder of the lookup socket; "" = a per-user temp folder
+    store: str = "mooncake"  # the store backend: a registered name or module:Class
 
 
 _CONNECTOR = {f.name: f for f in fields(ConnectorSettings)}

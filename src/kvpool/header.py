@@ -5,7 +5,8 @@
     unpack(buf) -> Header          parse; raises ``HeaderError`` only if too short
     check(h, fp, key, n, cs)       None if ``h`` describes this object, else the
                                    ``CheckFailure`` naming the first bad field
-    payload_checksum(segments)     xxh3-64 over a scatter list, read in place
+    payload_checksum(segments)     the payload checksum over a scatter list, read in place
+    batch_checksums(payloads)      the same for many payloads, a few numpy calls per batch
     key_digest(key)                xxh3-64 of the key's UTF-8
     fingerprint_bytes(fp)          a ``KeySpace.fingerprint`` (16 hex) as 8 bytes
 
@@ -17,12 +18,20 @@ Layout (little-endian, offsets in bytes)::
      8  fingerprint  8s   config fingerprint of the key space
     16  key digest   u64  xxh3-64 of the key
     24  payload len  u64  bytes after the header
-    32  checksum     u64  xxh3-64 of the payload, 0 when bit 0 is clear
+    32  checksum     u64  wsum64 of the payload, 0 when bit 0 is clear
     40  reserved     24s  zero
 
 A header that fails ``check`` means the bytes are not this object: the reader
 treats it as a miss, never loads it. Pure: no I/O; reading memory at an
-address is the only unsafe thing here, and only ``payload_checksum`` does it.
+address is the only unsafe thing here, and only the checksum functions do it.
+
+wsum64: the payload, zero-padded to whole 64-bit little-endian words ``w_i``,
+sums to ``sum(w_i * K_i) mod 2**64`` with odd weights ``K_i = splitmix64(i) | 1``.
+Any one flipped bit changes it. It is a matrix product in numpy, so a batch of
+objects costs one call that releases the GIL once: per-object hashing (xxh3)
+ran 25-150x slower in vLLM's process, where a busy engine thread makes every
+GIL hand-off wait a full switch interval (measured: 89 objects of 1 MiB, 3 ms
+alone, 80-475 ms next to a busy thread; one matrix product, 10 ms).
 """
 
 from __future__ import annotations
@@ -30,9 +39,12 @@ from __future__ import annotations
 import ctypes
 import enum
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvpool.errors import HeaderError
@@ -44,6 +56,7 @@ __all__ = [
     "MAGIC",
     "CheckFailure",
     "Header",
+    "batch_checksums",
     "check",
     "fingerprint_bytes",
     "key_digest",
@@ -106,13 +119,82 @@ def key_digest(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
+_WEIGHTS = np.zeros(0, dtype=np.uint64)
+_WEIGHTS_LOCK = threading.Lock()
+
+
+def _weights(n: int) -> npt.NDArray[np.uint64]:
+    """The first ``n`` wsum64 weights (splitmix64 of the word index, made odd)."""
+    global _WEIGHTS
+    if len(_WEIGHTS) < n:
+        with _WEIGHTS_LOCK, np.errstate(over="ignore"):
+            size = max(n, 2 * len(_WEIGHTS), 1 << 16)
+            x = (np.arange(size, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            _WEIGHTS = (x ^ (x >> np.uint64(31))) | np.uint64(1)
+    return _WEIGHTS[:n]
+
+
+def _words(addr: int, size: int) -> npt.NDArray[np.uint64]:
+    """The payload at ``addr`` as 64-bit words (copied and zero-padded if needed)."""
+    raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
+    if size % 8 or addr % 8:
+        padded = np.zeros(-(-size // 8) * 8, dtype=np.uint8)
+        padded[:size] = raw
+        raw = padded
+    return raw.view(np.uint64)
+
+
 def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
-    """xxh3-64 over a scatter list of ``(address, size)``, in order, without copying."""
-    h = xxhash.xxh3_64()
-    for addr, size in segments:
-        if size:
-            h.update(memoryview((ctypes.c_char * size).from_address(addr)))
-    return h.intdigest()
+    """wsum64 over a scatter list of ``(address, size)``: of their concatenation."""
+    sizes = [size for _, size in segments if size]
+    if len(sizes) > 1 and any(s % 8 for s in sizes[:-1]):  # words straddle segments
+        data = np.concatenate(
+            [np.ctypeslib.as_array((ctypes.c_uint8 * s).from_address(a)) for a, s in segments if s]
+        )
+        return payload_checksum([(data.ctypes.data, data.nbytes)])
+    total, pos = 0, 0
+    with np.errstate(over="ignore"):
+        for addr, size in segments:
+            if size:
+                w = _words(addr, size)
+                total += int(w @ _weights(pos + len(w))[pos:])
+                pos += len(w)
+    return total % (1 << 64)
+
+
+def batch_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """``payload_checksum`` of each payload; runs of one-segment payloads of one size
+    at a constant stride (objects back to back in staging) take one matrix product."""
+    out: list[int] = []
+    i = 0
+    while i < len(payloads):
+        j = i + 1
+        if len(payloads[i]) == 1:
+            (addr, size), stride = payloads[i][0], None
+            while (
+                j < len(payloads)
+                and len(payloads[j]) == 1
+                and payloads[j][0][1] == size
+                and (stride is None or payloads[j][0][0] - payloads[j - 1][0][0] == stride)
+            ):
+                stride = payloads[j][0][0] - payloads[j - 1][0][0]
+                j += 1
+            if j - i > 1 and stride is not None and stride > 0 and (addr | stride | size) % 8 == 0:
+                n = j - i
+                span = (n - 1) * stride + size
+                base = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(addr))
+                rows = np.lib.stride_tricks.as_strided(
+                    base.view(np.uint64), shape=(n, size // 8), strides=(stride, 8), writeable=False
+                )
+                with np.errstate(over="ignore"):
+                    out.extend(int(v) for v in rows @ _weights(size // 8))
+                i = j
+                continue
+        out.append(payload_checksum(payloads[i]))
+        i += 1
+    return out
 
 
 def _fields(

@@ -465,8 +465,16 @@ class TransferEngine:
             job.offsets = [start + o for o in offsets]
             segs = [[(self._staging_base + o, n)] for o, n in zip(job.offsets, sizes, strict=True)]
             try:
+                t0 = time.perf_counter()
                 got = self.store.batch_get(keys, segs)
+                t1 = time.perf_counter()
                 self._scatter(job, [s.ok for s in got])
+                logger.debug(
+                    "load %r: get %.1f ms, copy into KV %.1f ms",
+                    job.job_id,
+                    (t1 - t0) * 1e3,
+                    (time.perf_counter() - t1) * 1e3,
+                )
             finally:
                 self._arena.free(start)
                 job.staging = None

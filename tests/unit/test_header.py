@@ -129,7 +129,47 @@ def test_payload_checksum_over_segments_equals_checksum_of_concatenation(
 ) -> None:
     data = np.frombuffer(bytearray(payload or b"\0"), dtype=np.uint8)
     segs = _segments(data, cuts)
-    assert header.payload_checksum(segs) == xxhash.xxh3_64_intdigest(data.tobytes())
+    assert header.payload_checksum(segs) == wsum64(data.tobytes())
+
+
+def wsum64(data: bytes) -> int:
+    """Reference: the documented formula, in plain Python."""
+    data += b"\0" * (-len(data) % 8)
+    total = 0
+    for i in range(len(data) // 8):
+        x = ((i + 1) * 0x9E3779B97F4A7C15) % 2**64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+        k = (x ^ (x >> 31)) | 1
+        total += int.from_bytes(data[8 * i : 8 * i + 8], "little") * k
+    return total % 2**64
+
+
+@given(st.integers(1, 6), st.integers(1, 64), st.integers(0, 3), st.data())
+def test_batch_checksums_equal_per_object_checksums(
+    n: int, words: int, gap_words: int, data: st.DataObject
+) -> None:
+    size, stride = 8 * words, 8 * (words + gap_words)
+    buf = np.frombuffer(
+        data.draw(st.binary(min_size=n * stride, max_size=n * stride)), dtype=np.uint8
+    ).copy()
+    base = buf.ctypes.data
+    strided = [[(base + i * stride, size)] for i in range(n)]
+    mixed = [*strided, [(base, 3), (base + 8, 5)]]
+    assert header.batch_checksums(strided) == [header.payload_checksum(p) for p in strided]
+    assert header.batch_checksums(mixed) == [header.payload_checksum(p) for p in mixed]
+    assert header.batch_checksums(strided) == [
+        wsum64(buf[i * stride : i * stride + size].tobytes()) for i in range(n)
+    ]
+
+
+@given(st.binary(min_size=1, max_size=512), st.data())
+def test_any_flipped_bit_changes_the_checksum(payload: bytes, data: st.DataObject) -> None:
+    buf = np.frombuffer(bytearray(payload), dtype=np.uint8)
+    before = header.payload_checksum([(buf.ctypes.data, buf.nbytes)])
+    bit = data.draw(st.integers(0, 8 * len(payload) - 1))
+    buf[bit // 8] ^= 1 << (bit % 8)
+    assert header.payload_checksum([(buf.ctypes.data, buf.nbytes)]) != before
 
 
 def test_fingerprint_bytes_of_a_key_space() -> None:

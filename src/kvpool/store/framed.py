@@ -32,6 +32,7 @@ import numpy.typing as npt
 from kvpool.header import (
     HEADER_SIZE,
     CheckFailure,
+    batch_checksums,
     check,
     fingerprint_bytes,
     pack_into,
@@ -131,8 +132,10 @@ class FramedStore(KVStore):
         slots = self._acquire(len(keys))
         try:
             framed = []
-            for key, payload, slot in zip(keys, segments, slots, strict=True):
-                checksum = payload_checksum(payload) if self.checksum else None
+            sums: list[int | None] = (
+                list(batch_checksums(segments)) if self.checksum else [None] * len(keys)
+            )
+            for key, payload, slot, checksum in zip(keys, segments, slots, sums, strict=True):
                 offset = slot * HEADER_SIZE
                 pack_into(self._view, offset, self.fingerprint, key, total_size(payload), checksum)
                 framed.append(self._frame(slot, payload))
@@ -145,14 +148,22 @@ class FramedStore(KVStore):
         try:
             framed = [self._frame(slot, p) for slot, p in zip(slots, segments, strict=True)]
             statuses = self.inner.batch_get(keys, framed)
+            # Checksums of the whole batch at once (see header.batch_checksums).
+            sums: list[int | None] = [None] * len(keys)
+            if self.verify and any(s is Status.OK for s in statuses):
+                sums = list(batch_checksums(segments))
             return [
-                self._verify(key, payload, slot, status)
-                for key, payload, slot, status in zip(keys, segments, slots, statuses, strict=True)
+                self._verify(key, payload, slot, status, checksum)
+                for key, payload, slot, status, checksum in zip(
+                    keys, segments, slots, statuses, sums, strict=True
+                )
             ]
         finally:
             self._release(slots)
 
-    def _verify(self, key: str, payload: Segments, slot: int, status: Status) -> Status:
+    def _verify(
+        self, key: str, payload: Segments, slot: int, status: Status, checksum: int | None
+    ) -> Status:
         if status is Status.CORRUPT:  # the inner store saw a size mismatch
             self._reject(key, CheckFailure.LENGTH)
         if status is not Status.OK:
@@ -161,7 +172,9 @@ class FramedStore(KVStore):
         n = total_size(payload)
         failure = check(header, self.fingerprint, key, n)
         if failure is None and self.verify and header.has_checksum:
-            failure = check(header, self.fingerprint, key, n, payload_checksum(payload))
+            if checksum is None:
+                checksum = payload_checksum(payload)
+            failure = check(header, self.fingerprint, key, n, checksum)
         if failure is None:
             return Status.OK
         self._reject(key, failure)

@@ -32,20 +32,20 @@ def engine_bench_table(result: EngineBench) -> Table:
         "connector",
         "cold TTFT",
         "warm TTFT",
-        "warm vs cold",
-        "pool bytes",
-        "pool keys",
-        "warm hit tokens",
-        "outputs match",
+        "cold/warm",
+        "pool MiB",
+        "keys",
+        "warm hits",
+        "match",
     ):
-        t.add_column(name, justify="left" if name == "connector" else "right")
+        t.add_column(name, justify="left" if name == "connector" else "right", no_wrap=True)
     for r in result.runs:
         t.add_row(
             r.name,
             f"{r.cold_ttft_s * 1000:.0f} ms",
             f"{r.warm_ttft_s * 1000:.0f} ms",
             f"{r.cold_ttft_s / r.warm_ttft_s:.1f}x" if r.warm_ttft_s else "-",
-            f"{r.bytes_stored / 2**20:.1f} MiB",
+            f"{r.bytes_stored / 2**20:.1f}",
             str(r.keys_stored),
             str(r.warm_hit_tokens),
             "yes" if r.identical else "no",

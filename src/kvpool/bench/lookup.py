@@ -92,7 +92,7 @@ class LookupBench:
 class _TimedStore(KVStore):
     """Passes each ``batch_exists`` whole to ``inner`` and times it."""
 
-    max_batch = sys.maxsize
+    max_batch = max_key_batch = sys.maxsize
 
     def __init__(self, inner: KVStore) -> None:
         super().__init__()

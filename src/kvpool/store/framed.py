@@ -72,6 +72,7 @@ class FramedStore(KVStore):
         self.checksum = checksum
         self.verify = checksum if verify is None else verify
         self.max_batch = min(inner.max_batch, slots)
+        self.max_key_batch = inner.max_key_batch  # exists and remove pass straight through
         self._arena = inner.alloc_staging(slots * HEADER_SIZE)  # registered by inner
         self._view = self._arena.data
         self._base = self._arena.ctypes.data

@@ -17,7 +17,7 @@ size`` chunks from randomly chosen blocks of the first cache with
 with ``submit_load`` + ``wait``, through
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
-* ``kvpool+checksum``: the same with xxh3 checksums written and verified,
+* ``kvpool+checksum``: the same with payload checksums (wsum64) written and verified,
 * ``raw``: a separate Mooncake client's ``batch_put_from_multi_buffers`` /
   ``batch_get_into_multi_buffers`` on the same per-object segments (one per
   layer), one batch per job. TCP: a pure client with both KV caches

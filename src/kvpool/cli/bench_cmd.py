@@ -366,7 +366,7 @@ def _path_title(r: TransferSize) -> str:
     return f"{r.path}: loopback {r.transport}, {r.load_mode} loads into the KV tensors"
 
 
-_VARIANT_LABELS = {"raw": "raw", "kvpool": "kvpool", "kvpool+checksum": "kvpool+xxh3"}
+_VARIANT_LABELS = {"raw": "raw", "kvpool": "kvpool", "kvpool+checksum": "kvpool+sum"}
 
 
 def transfer_bench_tables(bench: TransferBench) -> list[Table]:
@@ -388,7 +388,7 @@ def transfer_bench_tables(bench: TransferBench) -> list[Table]:
             t.caption = (
                 "GB/s = 1e9 payload bytes/s; e2e = bytes / (save + load); vs raw and vs copy: "
                 "save/load ratios; stall = ms per repeat the caller spends in submit_save; "
-                "xxh3 = checksum on.\n"
+                "+sum = checksum on.\n"
                 f"targets: save and load >= {TARGET_RATIO:.2f}x raw for "
                 f"{_label(TARGET_SIZES[0])}-{_label(TARGET_SIZES[1])} objects; same host "
                 f"e2e >= {E2E_TARGET_GBPS} GB/s"

@@ -390,10 +390,15 @@ class TransferEngine:
             torch.index_select(self._views[g][region], 0, rows, out=dst)
 
     def _scatter(self, job: _Job, ok: list[bool]) -> None:
-        """Copy staged objects of the chunks with ``ok`` into the KV tensors."""
+        """Copy the staged objects that arrived into the KV tensors, but only of chunks
+        before the first failed one: later chunks are reported invalid anyway, and
+        each group's copied objects must stay back to back (``_stage_rows``)."""
+        failed = [c.chunk for c, k in zip(job.chunks, ok, strict=True) if not k]
+        end = min(failed, default=None)
+        keep = [k and (end is None or c.chunk < end) for c, k in zip(job.chunks, ok, strict=True)]
         good = _Job(job.job_id, job.kind, [], job.submitted)
-        good.chunks = [c for c, k in zip(job.chunks, ok, strict=True) if k]
-        good.offsets = [o for o, k in zip(job.offsets, ok, strict=True) if k]
+        good.chunks = [c for c, k in zip(job.chunks, keep, strict=True) if k]
+        good.offsets = [o for o, k in zip(job.offsets, keep, strict=True) if k]
         for g, region, src, rows in self._stage_rows(good):
             self._views[g][region].index_copy_(0, rows, src)
 

@@ -249,3 +249,25 @@ def test_staging_arena_wraps_and_refuses_when_full() -> None:
     assert a.alloc(2048) is None
     a.free(512)
     assert a.used == 448
+
+
+def test_staged_load_writes_nothing_at_or_after_a_failed_chunk(store: KVStore) -> None:
+    src = cpu_layers(2)
+    randomize(src, 8)
+    chunks = [ChunkRef(f"s{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(6)]
+    e = engine(store, src)
+    e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.close()
+    assert store.batch_remove(["s2"], force=True) == [Status.OK]
+    dst = cpu_layers(2)
+    for _, t in dst:
+        t.fill_(-1.0)
+    r = engine(store, dst, load_mode="staged")
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.invalid_block_ids == frozenset(range(4, 12))
+    for (_, a), (_, b) in zip(src, dst, strict=True):
+        assert torch.equal(a[:4], b[:4])  # chunks 0 and 1 arrived
+        assert bool((b[4:12] == -1.0).all())  # the failed chunk and later ones untouched

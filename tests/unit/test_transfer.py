@@ -271,3 +271,25 @@ def test_staged_load_writes_nothing_at_or_after_a_failed_chunk(store: KVStore) -
     for (_, a), (_, b) in zip(src, dst, strict=True):
         assert torch.equal(a[:4], b[:4])  # chunks 0 and 1 arrived
         assert bool((b[4:12] == -1.0).all())  # the failed chunk and later ones untouched
+
+
+def test_two_groups_round_trip_through_staged_loads(store: KVStore) -> None:
+    src_a, src_b = cpu_layers(2), mla_layers(1)
+    randomize(src_a, 9)
+    randomize(src_b, 10)
+    chunks = [
+        ChunkRef(f"g{g}c{i}", g, i, (2 * i + g, 2 * i + g + 1)) for i in range(5) for g in (0, 1)
+    ]
+    e = TransferEngine(store, [src_a, src_b], NB, staging_bytes=16 << 20)
+    e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.close()
+    dst_a, dst_b = cpu_layers(2), mla_layers(1)
+    r = TransferEngine(store, [dst_a, dst_b], NB, staging_bytes=16 << 20, load_mode="staged")
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.ok
+    for src, dst, blocks in ((src_a, dst_a, slice(0, 10)), (src_b, dst_b, slice(1, 11))):
+        for (_, a), (_, b) in zip(src, dst, strict=True):
+            assert torch.equal(a[blocks], b[blocks])

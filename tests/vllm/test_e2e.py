@@ -19,6 +19,12 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [shared + [rng.randrange(10, 1000) for _ in range(40 + 7 * i)] for i in range(3)]
 
 
+def assert_same_outputs(run: dict[str, Any], base: dict[str, Any]) -> None:
+    """Exactly the same greedy tokens and logprobs, prompt by prompt."""
+    assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in base["results"]]
+    assert [r["logprobs"] for r in run["results"]] == [r["logprobs"] for r in base["results"]]
+
+
 def spec(model: Path, connector: str, pool_file: str = "", **kw: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
         "model": str(model),
@@ -56,8 +62,7 @@ def test_pool_stopped_between_engines_is_a_miss_not_a_failure(
     run_engine(spec(tiny_model, "kvpool", pool_file))
     local_pool.stop()
     b = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert [r["tokens"] for r in b["results"]] == [r["tokens"] for r in base["results"]]
-    assert [r["logprobs"] for r in b["results"]] == [r["logprobs"] for r in base["results"]]
+    assert_same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] == 0
     assert "cannot reach mooncake_master" in b["log"] and "stays idle" in b["log"]
 
@@ -85,8 +90,7 @@ def test_corrupt_objects_are_recomputed_removed_and_never_loop(
     finally:
         store.close()
     b = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert [r["tokens"] for r in b["results"]] == [r["tokens"] for r in base["results"]]
-    assert [r["logprobs"] for r in b["results"]] == [r["logprobs"] for r in base["results"]]
+    assert_same_outputs(b, base)
     failures = b["log"].count("failed (corrupt)")
     assert 1 <= failures <= len(b["results"])  # reported, and never retried in a loop
     # The bad objects were removed and B saved its recomputed KV: the pool has healed.
@@ -104,8 +108,7 @@ def test_chunks_gone_between_lookup_and_load_are_recomputed(
     vanishing = spec(tiny_model, "kvpool", pool_file)
     vanishing["extra"]["store"] = "faulty_store:VanishingStore"
     b = run_engine(vanishing)
-    assert [r["tokens"] for r in b["results"]] == [r["tokens"] for r in base["results"]]
-    assert [r["logprobs"] for r in b["results"]] == [r["logprobs"] for r in base["results"]]
+    assert_same_outputs(b, base)
     failures = b["log"].count("failed (missing)")
     assert 1 <= failures <= len(b["results"])  # every lookup hit, each load missed once
     # B saved what it recomputed, so a later engine hits again.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.run import _run_engine, outputs_match
+from kvpool.demo.run import outputs_match, run_engine
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, master_metrics
 
@@ -81,7 +81,7 @@ def run_engine_bench(
         "block_size": 32,
         "progress": True,
     }
-    baseline = _run_engine(
+    baseline = run_engine(
         {**base_spec, "connector": "none"}, workdir / "none.json", "no connector", progress
     )
     runs = []
@@ -116,9 +116,9 @@ def run_engine_bench(
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
-                cold = _run_engine(spec, workdir / f"{name}-cold.json", f"{name} cold", progress)
+                cold = run_engine(spec, workdir / f"{name}-cold.json", f"{name} cold", progress)
                 after = master_metrics(cfg.metrics_url)
-                warm = _run_engine(spec, workdir / f"{name}-warm.json", f"{name} warm", progress)
+                warm = run_engine(spec, workdir / f"{name}-warm.json", f"{name} warm", progress)
             finally:
                 for k, v in old.items():
                     if v is None:

@@ -12,7 +12,10 @@ prints nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -156,15 +159,36 @@ def store_cmd(
         raise KVPoolError(f"{failed} object transfers failed or came back different")
 
 
-def _config(master: str | None, pool_file: str | None, checksum: bool) -> PoolConfig:
+def _given_config(master: str | None, pool_file: str | None, checksum: bool = True) -> PoolConfig:
+    """The pool named by ``--master`` / ``--pool-file`` / the default pool file (may be none)."""
     extra: dict[str, Any] = {"checksum": checksum}
     if master:
         extra["master_address"] = master
     if pool_file:
         extra["pool_file"] = pool_file
-    config = load_config(extra)
+    return load_config(extra)
+
+
+def _config(master: str | None, pool_file: str | None, checksum: bool) -> PoolConfig:
+    config = _given_config(master, pool_file, checksum)
     config.require_master()
     return config
+
+
+@contextlib.contextmanager
+def _pool_or_temporary(config: PoolConfig | None, segment_size: int) -> Iterator[PoolConfig]:
+    """``config``, or (when None) a temporary local pool that is stopped afterwards."""
+    if config is not None:
+        yield config
+        return
+    from kvpool.pool import LocalPool
+
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-pool-") as home:
+        pool = LocalPool.start(home, segment_size=segment_size)
+        try:
+            yield pool.config()
+        finally:
+            pool.stop()
 
 
 # -- kvpool bench lookup (the lookup service's benchmark) -------------------------
@@ -282,27 +306,14 @@ def lookup_cmd(
     as_json: bool,
 ) -> None:
     """Scheduler-side lookup latency and store round trips per lookup."""
-    import tempfile
-
     from kvpool.cli.console import console
-    from kvpool.pool import LocalPool
 
     if min(prompts) <= chunk_size:
         raise click.BadParameter(f"every prompt must be longer than --chunk-size ({chunk_size})")
-    extra: dict[str, Any] = {"master_address": master} if master else {}
-    if pool_file:
-        extra["pool_file"] = pool_file
-    config = load_config(extra)
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-pool-") as home:
-        pool = None
-        if temp_pool or not config.master_address:
-            pool = LocalPool.start(home, segment_size=256 << 20)
-            config = pool.config()
-        try:
-            result = run_lookup_bench(config, prompts, layouts, chunk_size, lookups)
-        finally:
-            if pool is not None:
-                pool.stop()
+    given = _given_config(master, pool_file)
+    use = None if temp_pool or not given.master_address else given
+    with _pool_or_temporary(use, 256 << 20) as config:
+        result = run_lookup_bench(config, prompts, layouts, chunk_size, lookups)
     if as_json:
         click.echo(json.dumps(asdict(result)))
     else:
@@ -592,14 +603,11 @@ def transfer_cmd(
 ) -> None:
     """Throughput of the TransferEngine, KV tensors to the pool and back, against raw Mooncake."""
     import os
-    import tempfile
 
     from rich.console import Group
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
     from kvpool.bench.transfer import kv_shape_for, run_transfer_bench
-    from kvpool.cli.console import console
-    from kvpool.pool import LocalPool
+    from kvpool.cli.console import PhaseBars, console
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     if max(sizes) > total:
@@ -612,31 +620,14 @@ def transfer_cmd(
     if plot is not None and not _have_matplotlib():
         click.echo("kvpool: --plot needs matplotlib: pip install matplotlib", err=True)
         plot = None
-    config = _config(master, pool_file, checksum=True) if master or pool_file else None
-    columns = (TextColumn("{task.description:<6}"), BarColumn(), MofNCompleteColumn())
-    with (
-        tempfile.TemporaryDirectory(prefix="kvpool-bench-pool-") as home,
-        Progress(*columns, console=console, transient=True, disable=as_json) as bars,
-    ):
-        tasks: dict[str, TaskID] = {}
-
-        def on_progress(phase: str, done: int, steps: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bars.add_task(phase, total=steps)
-            bars.update(tasks[phase], completed=done, total=steps)
-
-        pool = None
-        if config is None:
-            on_progress("pool", 0, 1)
-            pool = LocalPool.start(home, segment_size=TRANSFER_POOL_SEGMENT)
-            config = pool.config()
-            on_progress("pool", 1, 1)
-        try:
-            result = run_transfer_bench(config, sizes, total, repeats, paths, layers, job_size,
-                                        hook_steps, on_progress)  # fmt: skip
-        finally:
-            if pool is not None:
-                pool.stop()
+    given = _config(master, pool_file, checksum=True) if master or pool_file else None
+    with PhaseBars(transient=True, disable=as_json) as bars:
+        bars("pool", 0, 1)
+        with _pool_or_temporary(given, TRANSFER_POOL_SEGMENT) as config:
+            bars("pool", 1, 1)
+            result = run_transfer_bench(
+                config, sizes, total, repeats, paths, layers, job_size, hook_steps, bars
+            )
     if as_json:
         click.echo(json.dumps(transfer_bench_json(result)))
     else:

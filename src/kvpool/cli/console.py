@@ -21,13 +21,15 @@ class PhaseBars:
     Use as a context manager; pass the instance itself as the callback.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, transient: bool = False, disable: bool = False) -> None:
         self._bars = Progress(
             TextColumn("{task.description:<16}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             console=console,
+            transient=transient,
+            disable=disable,
         )
         self._tasks: dict[str, TaskID] = {}
 

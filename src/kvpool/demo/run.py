@@ -26,7 +26,7 @@ from typing import Any
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, master_metrics
 
-__all__ = ["DemoReport", "RequestRow", "outputs_match", "run_demo", "workload"]
+__all__ = ["DemoReport", "RequestRow", "outputs_match", "run_demo", "run_engine", "workload"]
 
 # vLLM's own prefix cache moves decode logprobs in the 6th decimal on these models
 # (a prompt run twice in one engine: -5.695924 cold, -5.695923 with a local hit),
@@ -98,7 +98,7 @@ def workload(
     return out
 
 
-def _run_engine(spec: dict[str, Any], path: Path, phase: str, progress: Progress) -> dict[str, Any]:
+def run_engine(spec: dict[str, Any], path: Path, phase: str, progress: Progress) -> dict[str, Any]:
     path.write_text(json.dumps(spec))
     total = len(spec["prompts"])
     progress(phase, 0, total)
@@ -158,8 +158,8 @@ def run_demo(
             "progress": True,
             "warmup": True,
         }
-        cold = _run_engine(spec, workdir / "cold.json", "cold engine", progress)
-        warm = _run_engine(spec, workdir / "warm.json", "warm engine", progress)
+        cold = run_engine(spec, workdir / "cold.json", "cold engine", progress)
+        warm = run_engine(spec, workdir / "warm.json", "warm engine", progress)
         metrics = master_metrics(pool.config().metrics_url)
     finally:
         pool.stop()

@@ -16,10 +16,12 @@ A bad value raises ``ConfigError`` naming the field and what it accepts.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ __all__ = [
 ENV_PREFIX = "KVPOOL_"
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_MAX_SIZE = (1 << 63) - 1  # what Mooncake's signed 64-bit sizes hold
 
 
 def parse_size(value: int | str, name: str = "size") -> int:
@@ -46,12 +49,16 @@ def parse_size(value: int | str, name: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{name} must be >= 0, got {value}")
-        return value
-    m = _SIZE_RE.fullmatch(str(value))
-    if not m:
-        raise ConfigError(f"{name} must be a byte size like 512MB or 1GiB, got {value!r}")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * _UNITS[unit])
+        size: int | Decimal = value
+    else:
+        m = _SIZE_RE.fullmatch(str(value))
+        if not m:
+            raise ConfigError(f"{name} must be a byte size like 512MB or 1GiB, got {value!r}")
+        unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+        size = Decimal(m.group(1)) * _UNITS[unit]  # exact, unlike a float past 2**53
+    if not size <= _MAX_SIZE:
+        raise ConfigError(f"{name} must be at most {_MAX_SIZE} bytes (8 EiB), got {value!r}")
+    return int(size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +112,7 @@ _SIZES = {"global_segment_size", "local_buffer_size"}
 
 def _is_host_port(s: str) -> bool:
     host, sep, port = s.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -123,9 +130,12 @@ def _coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"{name} must be true or false, got {value!r}")
     if kind == "float":
         try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+            number = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        return number
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value
@@ -143,11 +153,21 @@ def pool_file_path(env: Mapping[str, str] | None = None) -> Path:
 def read_pool_file(path: str | Path) -> dict[str, Any]:
     """The JSON object in a pool file; ConfigError if unreadable or malformed."""
     try:
-        data = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read pool file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read pool file {path}: {exc.strerror or exc}") from None
+    except ValueError:  # a NUL in the path
+        raise ConfigError(
+            f"cannot read pool file {str(path)!r}: its name holds a NUL byte"
+        ) from None
+    try:
+        data = json.loads(raw.decode())
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"pool file {path} is not UTF-8 text: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"pool file {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"pool file {path} is not a pool file: JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise ConfigError(f"pool file {path} must hold a JSON object")
     return data
@@ -166,15 +186,21 @@ def load_config(
     """
     env = os.environ if env is None else env
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(_FIELDS))
+    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(extra) - set(_FIELDS))
     if unknown:
         raise ConfigError(
             f"unknown pool setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}"
         )
     values: dict[str, Any] = {}
     path = extra.get("pool_file") or env.get("KVPOOL_POOL_FILE") or ""
+    if not isinstance(path, str | os.PathLike):
+        raise ConfigError(f"pool_file must be a path, got {path!r}")
     file = Path(path) if path else pool_file_path(env)
-    if path or file.exists():
+    try:
+        present = bool(path) or file.exists()
+    except OSError as exc:  # e.g. a name too long, or a directory it may not search
+        raise ConfigError(f"cannot read pool file {file}: {exc.strerror or exc}") from None
+    if present:
         data = read_pool_file(file)
         values.update({k: v for k, v in data.items() if k in _FIELDS})
         values["pool_file"] = str(file)

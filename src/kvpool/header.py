@@ -202,8 +202,10 @@ def _fields(
 ) -> tuple[bytes, int, int, bytes, int, int, int, bytes]:
     if len(fingerprint) != _FP_LEN:
         raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
-    if payload_len < 0:
-        raise ValueError(f"payload_len must be >= 0, got {payload_len}")
+    if not 0 <= payload_len < 1 << 64:
+        raise ValueError(f"payload_len must be in [0, 2**64), got {payload_len}")
+    if checksum is not None and not 0 <= checksum < 1 << 64:
+        raise ValueError(f"checksum must be in [0, 2**64), got {checksum}")
     flags = 0 if checksum is None else FLAG_CHECKSUM
     return (
         MAGIC,
@@ -235,7 +237,10 @@ def pack_into(
 
 
 def unpack(buffer: bytes | bytearray | memoryview, offset: int = 0) -> Header:
-    """Parse the header at ``offset``; ``HeaderError`` if fewer than 64 bytes remain."""
+    """Parse the header at ``offset``; ``HeaderError`` if fewer than 64 bytes remain
+    there (or ``offset`` is negative)."""
+    if offset < 0:
+        raise HeaderError(f"header offset must be >= 0, got {offset}")
     if len(buffer) - offset < HEADER_SIZE:
         raise HeaderError(
             f"an object header is {HEADER_SIZE} bytes, got {max(0, len(buffer) - offset)}"

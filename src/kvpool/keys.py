@@ -46,7 +46,9 @@ SCHEMA_VERSION = 1
 _ROOT = "kvpool"
 _FP_HEX = 16  # 64 bits of sha256 over the canonical config
 _SAFE = "/:@._-+=~,"
-_CONTENT_RE = re.compile(r"g(\d+)\.h(\d+)\.d(\d+)\.c(\d+)\.p(\d+)")
+_NUM = r"([0-9]{1,18})"  # bounded: int() refuses strings of over 4300 digits
+_NUM_RE = re.compile(_NUM)
+_CONTENT_RE = re.compile(rf"g{_NUM}\.h{_NUM}\.d{_NUM}\.c{_NUM}\.p{_NUM}")
 _HEX_RE = re.compile(r"[0-9a-f]+")
 _FP_RE = re.compile(rf"[0-9a-f]{{{_FP_HEX}}}")
 
@@ -82,10 +84,12 @@ class ParsedKey:
 
 def parse_key(key: str) -> ParsedKey:
     """Parse a key made by ``KeySpace.key``; raise ``KeyFormatError`` otherwise."""
+    if not key.isascii():  # a key percent-quotes its model, so it is always ASCII
+        raise KeyFormatError(f"kvpool keys are ASCII; not a kvpool key: {key!r}")
     head = key.split("/", 2)
     if len(head) != 3 or head[0] != _ROOT:
         raise KeyFormatError(f"not a kvpool key (must start with '{_ROOT}/'): {key!r}")
-    if not head[1].isdigit():
+    if not _NUM_RE.fullmatch(head[1]):
         raise KeyFormatError(f"bad schema version {head[1]!r} in {key!r}")
     tail = head[2].rsplit("/", 3)
     if len(tail) != 4 or not tail[0]:
@@ -135,6 +139,10 @@ class KeySpace:
         """
         if not model:
             raise LayoutError("model name must not be empty")
+        try:
+            model.encode()
+        except UnicodeEncodeError:  # e.g. a path's undecodable bytes (surrogates)
+            raise LayoutError(f"model name {model!r} is not valid Unicode text") from None
         for name, v in (("chunk_size", chunk_size), ("head_size", head_size)):
             if not isinstance(v, int) or v < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {v!r}")

@@ -58,6 +58,7 @@ class GroupKind(enum.StrEnum):
 
 
 _HEADED = (GroupKind.MHA, GroupKind.GQA)
+MAX_RANKS = 4096  # tp * pp * pcp of one engine; far above any real deployment
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,11 @@ class Layout:
             raise LayoutError(f"dp_index must be a non-negative integer, got {dp_index!r}")
         if tp % dcp:
             raise LayoutError(f"dcp={dcp} must divide tp={tp}; pick dcp among the divisors of tp")
+        if tp * pp * pcp > MAX_RANKS:
+            raise LayoutError(
+                f"tp*pp*pcp = {tp * pp * pcp} ranks in one engine; "
+                f"at most {MAX_RANKS} are supported"
+            )
         specs = tuple(g if isinstance(g, GroupSpec) else GroupSpec.parse(g) for g in groups)
         if not specs:
             raise LayoutError("a layout needs at least one KV group, e.g. 'gqa:8' or 'mla'")

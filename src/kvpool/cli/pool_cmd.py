@@ -190,7 +190,7 @@ def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) ->
     if value is None:
         return None
     host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise click.BadParameter(f"must be HOST:PORT, got {value!r}")
     return value
 

@@ -28,7 +28,7 @@ a request id of at most ``MAX_REQ_ID`` characters.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, TypeAlias
+from typing import Annotated, TypeAlias, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 PROTO = 1  # the schema revision this module speaks
+_T = TypeVar("_T")
 
 MAX_CHUNK_HASHES = 1 << 20
 MAX_HASH_BYTES = 64
@@ -152,11 +153,12 @@ _REPLY_TAGS = ("lookup_reply", "reset_reply", "error")
 
 
 class _Envelope(msgspec.Struct):
-    """What can be read of any map-shaped frame, to describe a bad one."""
+    """What can be read of any map-shaped frame, to describe a bad one. The fields
+    stay undecoded (``Raw``), so a huge or deep value costs no memory here."""
 
-    type: Any = None
-    seq: Any = None
-    proto: Any = None
+    type: msgspec.Raw = msgspec.Raw()
+    seq: msgspec.Raw = msgspec.Raw()
+    proto: msgspec.Raw = msgspec.Raw()
 
 
 _request_encoder = msgspec.msgpack.Encoder()
@@ -192,7 +194,7 @@ def decode_request(
         )
     try:
         return _request_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: RecursionError
         return _describe(frame, exc, _REQUEST_TAGS)
 
 
@@ -200,36 +202,47 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     """The reply in ``frame``; a bad frame becomes an ``ErrorReply`` describing it."""
     try:
         return _reply_decoder.decode(frame)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # deep nesting: RecursionError
         return _describe(frame, exc, _REPLY_TAGS)
 
 
 def _envelope(frame: bytes | memoryview) -> _Envelope:
     try:
         return _envelope_decoder.decode(frame)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return _Envelope()
+
+
+def _field(raw: msgspec.Raw, kind: type[_T]) -> _T | None:
+    """An envelope field as ``kind``, or None if absent or of another type."""
+    try:
+        return msgspec.msgpack.decode(raw, type=kind) if len(raw) else None
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 def _peek_seq(frame: bytes | memoryview, env: _Envelope | None = None) -> int:
     """The frame's ``seq`` if it is a map holding a valid one, else -1."""
-    seq = (env if env is not None else _envelope(frame)).seq
-    return seq if type(seq) is int and 0 <= seq <= _U63 else -1
+    seq = _field((env if env is not None else _envelope(frame)).seq, int)
+    return seq if seq is not None and 0 <= seq <= _U63 else -1
 
 
 def _describe(
-    frame: bytes | memoryview, exc: msgspec.DecodeError, known: tuple[str, ...]
+    frame: bytes | memoryview, exc: msgspec.DecodeError | RecursionError, known: tuple[str, ...]
 ) -> ErrorReply:
     """An ErrorReply for an undecodable frame, with its seq if one can be read."""
     if not len(frame):
         return ErrorReply(seq=-1, code=ErrorCode.MALFORMED, message="empty frame")
     env = _envelope(frame)
     seq = _peek_seq(frame, env)
-    if isinstance(env.type, str) and env.type not in known:
+    tag = _field(env.type, str)
+    if tag is not None and tag not in known:
+        proto = _field(env.proto, int)
         return ErrorReply(
             seq=seq,
             code=ErrorCode.UNSUPPORTED,
-            message=f"unknown message type {env.type[:64]!r} (proto {repr(env.proto)[:20]}); "
+            message=f"unknown message type {tag[:64]!r} (proto {repr(proto)[:20]}); "
             f"this peer speaks {', '.join(known)} at proto {PROTO}",
         )
-    return ErrorReply(seq=seq, code=ErrorCode.MALFORMED, message=f"malformed message: {exc}")
+    what = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+    return ErrorReply(seq=seq, code=ErrorCode.MALFORMED, message=f"malformed message: {what}")

@@ -11,8 +11,12 @@
                                    through staging (``"staged"``, forced when the
                                    store moves bytes only through its own buffers,
                                    as on Mooncake's same-host shared-memory path)
-    poll()                         finished jobs (``JobResult``); never blocks
+    poll()                         finished jobs (``JobResult``); never blocks; a
+                                   staged load older than ``load_timeout_s`` is
+                                   reported here as TIMED_OUT and abandoned
     wait(job_ids, timeout)         block until those jobs finish
+    abandon_loads()                report every unfinished staged load failed now
+                                   (before the engine is replaced)
     close()                        stop the threads after the queued jobs (staging
                                    memory belongs to the store and goes with it)
 
@@ -28,6 +32,11 @@ Guarantees:
   checksum were verified; in direct mode a failed chunk's blocks may hold
   garbage, but they are reported invalid.
 * A CORRUPT object (header or checksum mismatch) is removed from the pool.
+* A staged load that has not finished ``load_timeout_s`` after its submit (a
+  holder that stopped answering blocks a Mooncake get for ~30 s) is reported
+  failed (TIMED_OUT, all its blocks invalid) by ``poll``; when its get returns
+  later, nothing is copied into the KV tensors. Direct loads cannot be abandoned
+  (the store writes into the KV tensors itself), so they have no deadline.
 * NO_SPACE, TRANSFER_FAILED or UNAVAILABLE on a put switch saves into
   backpressure: further saves are skipped until a growing back-off expires.
 * Nothing raises into the caller for store faults; they become statuses.
@@ -45,7 +54,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import numpy as np
@@ -103,6 +112,14 @@ class TransferStats:
     bytes_loaded: int = 0
     failures: Counter[str] = field(default_factory=Counter)  # status -> chunks
     backpressure_events: int = 0
+    loads_timed_out: int = 0  # load jobs abandoned at their deadline
+
+    def __add__(self, other: TransferStats) -> TransferStats:
+        """Counters of two engines (e.g. before and after a reconnect) together."""
+        out = TransferStats()
+        for f in fields(self):
+            setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return out
 
 
 class StagingArena:
@@ -170,6 +187,15 @@ class _Job:
     staging: int | None = None  # offset in the staging arena
     offsets: list[int] = field(default_factory=list)  # per chunk, in the arena
     skipped: int = 0
+    # Loads: set under ``lock`` when the job's result is published (by the load
+    # thread, or by ``poll`` at the deadline); the load thread checks it under the
+    # same lock before copying into the KV tensors, so a job reported TIMED_OUT
+    # never writes blocks that the engine may have reused since.
+    reported: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def is_reported(self) -> bool:  # a method: mypy narrows attributes, not calls
+        return self.reported
 
 
 def _word(nbytes: int) -> torch.dtype:
@@ -195,6 +221,7 @@ class TransferEngine:
         max_queue: int = 64,
         known_keys: int = 65536,
         backoff_s: tuple[float, float] = (1.0, 30.0),
+        load_timeout_s: float | None = None,
     ) -> None:
         self.store = store
         # Stores that move bytes only through their own buffers (Mooncake's
@@ -238,6 +265,12 @@ class TransferEngine:
         self._done_cond = threading.Condition()
         self._save_q: queue.Queue[_Job | None] = queue.Queue(max_queue)
         self._load_q: queue.Queue[_Job | None] = queue.Queue(max_queue)
+        self._load_timeout = load_timeout_s if self.load_mode == "staged" else None
+        if load_timeout_s is not None and self._load_timeout is None:
+            logger.info("direct loads cannot be abandoned: load_timeout_s is not enforced")
+        # Unreported staged loads (id(job) -> job): what a deadline or ``abandon_loads``
+        # may report early. Direct loads are never reported early.
+        self._pending_loads: dict[int, _Job] = {}
         self._threads = [
             threading.Thread(target=self._loop, args=(self._save_q,), name="kvpool-save"),
             threading.Thread(target=self._loop, args=(self._load_q,), name="kvpool-load"),
@@ -290,6 +323,9 @@ class TransferEngine:
         )
         with self._stats_lock:
             self._stats.loads_submitted += 1
+        if self.load_mode == "staged":
+            with self._done_cond:
+                self._pending_loads[id(job)] = job
         try:
             self._load_q.put_nowait(job)
         except queue.Full:
@@ -299,6 +335,8 @@ class TransferEngine:
 
     def poll(self) -> list[JobResult]:
         """Finished jobs since the last poll, oldest first; never blocks."""
+        if self._load_timeout is not None and self._pending_loads:
+            self._abandon_late_loads()
         out = []
         with self._done_cond:
             while self._done:
@@ -327,6 +365,53 @@ class TransferEngine:
                     return got
                 self._done_cond.wait(left)
 
+    @property
+    def can_abandon(self) -> bool:
+        """Loads can be reported early (staged mode): see ``abandon_loads``."""
+        return self.load_mode == "staged"
+
+    def _abandon_late_loads(self) -> None:
+        """Report loads past their deadline as TIMED_OUT; their gets may still run."""
+        assert self._load_timeout is not None
+        cutoff = time.monotonic() - self._load_timeout
+        with self._done_cond:
+            late = [j for j in self._pending_loads.values() if j.submitted < cutoff]
+        for job in late:
+            # A job copying into the KV tensors right now holds its lock for a few
+            # ms and then finishes normally: never wait for it here.
+            if not job.lock.acquire(blocking=False):
+                continue
+            try:
+                if job.reported:
+                    continue
+                self._finish_load_locked(
+                    job, dict.fromkeys((c.key for c in job.chunks), Status.TIMED_OUT)
+                )
+            finally:
+                job.lock.release()
+            with self._stats_lock:
+                self._stats.loads_timed_out += 1
+            logger.warning(
+                "load %r had no answer after %.1f s; reported failed (recompute)",
+                job.job_id,
+                self._load_timeout,
+            )
+
+    def abandon_loads(self, status: Status = Status.UNAVAILABLE) -> int:
+        """Report every unfinished staged load as failed with ``status`` now (for
+        ``poll``), e.g. before this engine is replaced; their gets may still run but
+        copy nothing. Direct loads cannot be abandoned. Returns how many."""
+        with self._done_cond:
+            jobs = list(self._pending_loads.values())
+        n = 0
+        for job in jobs:
+            with job.lock:  # held only for a short copy into the KV tensors
+                if job.reported:
+                    continue
+                self._finish_load_locked(job, dict.fromkeys((c.key for c in job.chunks), status))
+            n += 1
+        return n
+
     def stats(self) -> TransferStats:
         with self._stats_lock:
             s = self._stats
@@ -342,6 +427,7 @@ class TransferEngine:
                 s.bytes_loaded,
                 Counter(s.failures),
                 s.backpressure_events,
+                s.loads_timed_out,
             )
 
     @property
@@ -455,6 +541,8 @@ class TransferEngine:
 
     def _run_load(self, job: _Job) -> None:
         keys = [c.key for c in job.chunks]
+        if job.reported:  # timed out while queued
+            return
         if not keys:
             self._finish_load(job, {})
             return
@@ -473,7 +561,10 @@ class TransferEngine:
                 t0 = time.perf_counter()
                 got = self.store.batch_get(keys, segs)
                 t1 = time.perf_counter()
-                self._scatter(job, [s.ok for s in got])
+                with job.lock:
+                    if job.is_reported():  # TIMED_OUT meanwhile; its blocks may be reused
+                        return
+                    self._scatter(job, [s.ok for s in got])
                 logger.debug(
                     "load %r: get %.1f ms, copy into KV %.1f ms",
                     job.job_id,
@@ -569,6 +660,15 @@ class TransferEngine:
         )
 
     def _finish_load(self, job: _Job, statuses: dict[str, Status]) -> None:
+        """Publish ``job``'s result unless it was published already (timed out)."""
+        with job.lock:
+            if not job.reported:
+                self._finish_load_locked(job, statuses)
+
+    def _finish_load_locked(self, job: _Job, statuses: dict[str, Status]) -> None:
+        job.reported = True
+        with self._done_cond:
+            self._pending_loads.pop(id(job), None)
         failed = [c.chunk for c in job.chunks if not statuses[c.key].ok]
         invalid: set[int] = set()
         if failed:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -293,3 +295,62 @@ def test_two_groups_round_trip_through_staged_loads(store: KVStore) -> None:
     for src, dst, blocks in ((src_a, dst_a, slice(0, 10)), (src_b, dst_b, slice(1, 11))):
         for (_, a), (_, b) in zip(src, dst, strict=True):
             assert torch.equal(a[blocks], b[blocks])
+
+
+class _FrozenStore(MemoryStore):
+    """Gets block until ``thaw`` is set: a holder that stopped answering."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 30)
+        self.entered = threading.Event()
+        self.thaw = threading.Event()
+
+    def _get(self, keys, segments):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.thaw.wait(30)
+        return super()._get(keys, segments)
+
+
+def _poll_until(eng: TransferEngine, timeout: float = 10.0) -> list[Any]:
+    """Poll like an engine step loop until a result arrives (or ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := eng.poll():
+            return got
+        time.sleep(0.01)
+    return []
+
+
+def test_late_staged_load_is_reported_timed_out_and_never_written_into_kv() -> None:
+    store = _FrozenStore()
+    src = cpu_layers(2)
+    randomize(src, 1)
+    chunks = [ChunkRef(f"k{i}", 0, i, (i,)) for i in range(3)]
+    writer = engine(store, src)
+    writer.submit_save("s", chunks)
+    assert writer.wait(["s"], timeout=30)[0].ok
+    writer.close()
+
+    dst = cpu_layers(2)
+    randomize(dst, 2)
+    before = [t.clone() for _, t in dst]
+    reader = engine(store, dst, load_mode="staged", load_timeout_s=0.2)
+    reader.submit_load("l", [ChunkRef(c.key, 0, c.chunk, (10 + c.chunk,)) for c in chunks])
+    assert store.entered.wait(10)
+    (res,) = _poll_until(reader)
+    assert res.job_id == "l" and set(res.statuses.values()) == {Status.TIMED_OUT}
+    assert res.invalid_block_ids == {10, 11, 12}
+    assert reader.stats().loads_timed_out == 1
+    # A second load queued behind the frozen one also times out, exactly once.
+    reader.submit_load("l2", [ChunkRef("k0", 0, 0, (20,))])
+    (res2,) = _poll_until(reader)
+    assert res2.job_id == "l2" and not res2.ok
+    store.thaw.set()  # the holder answers at last: nothing may reach the KV cache
+    reader.submit_load("l3", [ChunkRef("k1", 0, 1, (30,))])
+    (res3,) = _poll_until(reader)
+    assert res3.job_id == "l3" and res3.ok
+    reader.close()
+    assert reader.poll() == []  # the abandoned jobs published nothing more
+    for (_, t), old in zip(dst, before, strict=True):
+        changed = (t != old).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == [30]

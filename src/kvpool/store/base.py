@@ -84,6 +84,7 @@ class Status(enum.Enum):
     UNAVAILABLE = "unavailable"  # the store cannot serve requests (closed, master gone)
     INVALID = "invalid"  # the request itself is malformed (a caller bug)
     CORRUPT = "corrupt"  # get: header, checksum or size does not match the request
+    TIMED_OUT = "timed_out"  # no answer within the caller's deadline (e.g. a frozen holder)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +104,7 @@ class Status(enum.Enum):
             Status.LEASED,
             Status.TRANSFER_FAILED,
             Status.UNAVAILABLE,
+            Status.TIMED_OUT,
         )
 
 

@@ -35,6 +35,10 @@ class ConnectorSettings:
     # is on this host, falling back to TCP if it cannot be set up.
     shared_memory: Literal["auto", "on", "off"] = "auto"
     staging_bytes: int = 256 << 20  # per worker, for saves (and staged loads)
+    # A staged load with no answer this long is reported failed (its blocks are
+    # recomputed) and its late bytes are dropped: a holder that stops answering
+    # blocks a Mooncake get ~30 s. 0 = wait as long as the store does.
+    load_timeout_s: float = 5.0
     failed_key_ttl_s: float = 60.0  # a chunk that failed to load reads as a miss this long
     run_dir: str = ""  # folder of the lookup socket; "" = a per-user temp folder
     store: str = "mooncake"  # the store backend: a registered name or module:Class
@@ -85,7 +89,7 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             values[name] = int(_number(name, v, int))
         elif name == "staging_bytes":
             values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
-        elif name in ("lookup_timeout_ms", "failed_key_ttl_s"):
+        elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
             values[name] = float(_number(name, v, float))
         elif name == "shared_memory":
             if v in (True, False):

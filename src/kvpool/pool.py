@@ -15,6 +15,10 @@
                                  mounted on the master until ``client_ttl`` expires
     pool.restart_holder()        start a fresh holder (same port if free); the old
                                  holder's objects are gone
+    pool.kill_master() / restart_master()  SIGKILL the master / start an empty one
+                                 on the same ports (fault tests)
+    pool.freeze_holder() / thaw_holder()   SIGSTOP / SIGCONT the holder: a host cut
+                                 off from the network, and back
     pool.config(**overrides)     a ``PoolConfig`` for a pure client of this pool
                                  (``global_segment_size`` 0)
     pool.write_pool_file(path)   the JSON pool file that ``kvpool up`` leaves behind
@@ -325,6 +329,8 @@ class _Process:
 
     def stop(self, timeout: float, sig: signal.Signals = signal.SIGTERM) -> None:
         self.send(sig)
+        if sig is not signal.SIGKILL:
+            self.send(signal.SIGCONT)  # a frozen (SIGSTOPped) process must see it
         if not self.wait_gone(timeout):
             log.warning("%s (pid %d) ignored %s; killing it", self.role, self.pid, sig.name)
             self.send(signal.SIGKILL)
@@ -368,6 +374,8 @@ def _port_accepts(host: str, port: int) -> bool:
 
 def _split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
+    if not (host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{address!r} is not HOST:PORT")
     return host, int(port)
 
 
@@ -392,6 +400,9 @@ def _spawn(
 
 
 # --------------------------------------------------------------------------- LocalPool
+
+
+MIN_SEGMENT = 16 << 20  # mooncake_client aborts on a smaller global segment
 
 
 @dataclass
@@ -437,8 +448,11 @@ class LocalPool:
         """
         home = Path(home)
         home.mkdir(parents=True, exist_ok=True)
-        if with_holder and segment_size <= 0:
-            raise ConfigError(f"segment_size must be > 0 for a holder, got {segment_size}")
+        if with_holder and segment_size < MIN_SEGMENT:
+            raise ConfigError(
+                f"a holder's segment must be at least 16 MiB (Mooncake's minimum), "
+                f"got {segment_size} bytes"
+            )
         if master_address is not None and not with_holder:
             raise ConfigError("with an existing master, there is nothing to start but a holder")
         find_binary(MASTER_BINARY if master_address is None else HOLDER_BINARY)
@@ -474,6 +488,10 @@ class LocalPool:
         master = data.get("master_address")
         if not isinstance(master, str) or not master:
             raise ConfigError(f"pool file {path} has no master_address")
+        try:
+            _split_address(master)
+        except ConfigError as exc:
+            raise ConfigError(f"pool file {path}: master_address {exc}") from None
         holder = str(data.get("holder_address") or "")
         pool = cls(
             home=path.parent,
@@ -505,9 +523,9 @@ class LocalPool:
             )
         return pool
 
-    def _start_master(self, timeout_s: float) -> None:
+    def _start_master(self, timeout_s: float, ports: tuple[int, int] | None = None) -> None:
         for attempt in range(1, _START_ATTEMPTS + 1):
-            rpc_port, metrics_port = _free_ports(2)
+            rpc_port, metrics_port = ports or _free_ports(2)
             args = [
                 f"--rpc_address={LOOPBACK}",
                 f"--rpc_port={rpc_port}",
@@ -531,6 +549,8 @@ class LocalPool:
             if self._wait(proc, timeout_s, self._master_ready):
                 return
             proc.stop(2.0)
+            if ports is not None:
+                break  # a restart keeps its address or fails
             if attempt < _START_ATTEMPTS:
                 log.info("master exited early (port clash?); retrying on new ports")
         raise self._failure(proc, "exited during start-up")
@@ -664,6 +684,34 @@ class LocalPool:
             if self._holder is not None:
                 self._holder.stop(2.0)
             raise
+
+    def kill_master(self) -> None:
+        """SIGKILL the master and reap it (fault tests); every object's metadata is lost."""
+        if self._master is None:
+            raise ConfigError("this pool did not start its master; there is none to kill")
+        self._master.stop(5.0, signal.SIGKILL)
+
+    def restart_master(self, timeout_s: float = 20.0) -> None:
+        """Start the master again on its old ports (an empty one: metadata is not kept)."""
+        if self._master is None:
+            raise ConfigError("this pool did not start its master; there is none to restart")
+        self._master.stop(5.0)
+        rpc = _split_address(self.master_address)[1]
+        metrics = _split_address(self.metrics_url.removeprefix("http://"))[1]
+        self._start_master(timeout_s, ports=(rpc, metrics))
+
+    def freeze_holder(self) -> None:
+        """SIGSTOP the holder: to its peers it is a host cut off from the network
+        (connections stay open, nothing answers)."""
+        if self._holder is None:
+            raise ConfigError("this pool has no holder to freeze")
+        self._holder.send(signal.SIGSTOP)
+
+    def thaw_holder(self) -> None:
+        """SIGCONT a frozen holder."""
+        if self._holder is None:
+            raise ConfigError("this pool has no holder to thaw")
+        self._holder.send(signal.SIGCONT)
 
     def __enter__(self) -> Self:
         return self

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.config import load_config
-from kvpool.errors import StoreMissingDependency, StoreUnavailable
+from kvpool.errors import ConfigError, StoreMissingDependency, StoreUnavailable
 from kvpool.pool import (
     HOLDER_BINARY,
     MASTER_BINARY,
@@ -217,3 +217,9 @@ def test_missing_binary_says_what_to_install(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(StoreMissingDependency, match="pip install"):
         find_binary(MASTER_BINARY)
+
+
+def test_a_segment_below_mooncakes_minimum_is_refused_before_starting(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="at least 16 MiB"):
+        LocalPool.start(tmp_path, segment_size=MiB)
+    assert not (tmp_path / "master.log").exists()  # nothing was started

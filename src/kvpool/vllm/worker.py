@@ -14,12 +14,22 @@
         scheduler's lookup suppression
 
 A request whose load finished is always reported finished, failed or not.
+
+Reconnect: a job whose every key came back UNAVAILABLE means the store client
+itself may be dead (a same-host shared-memory client whose holder was killed
+never recovers by itself). The worker then reports its unfinished loads failed,
+retires the store and transfer engine (closed on a background thread), and opens
+new ones on a background thread, retrying with a growing back-off; meanwhile
+loads fail fast and saves are skipped. A worker whose pool was unreachable at
+start stays idle (so does the scheduler's lookup service).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,16 +37,18 @@ import torch
 
 from kvpool.config import PoolConfig
 from kvpool.errors import KVPoolError
-from kvpool.store.base import KVStore
-from kvpool.transfer import ChunkRef, TransferEngine, TransferStats
+from kvpool.store.base import KVStore, Status
+from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.settings import ConnectorSettings
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
-__all__ = ["WorkerSide"]
+__all__ = ["RECONNECT_BACKOFF_S", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
+
+RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 
 
 class WorkerSide:
@@ -64,6 +76,13 @@ class WorkerSide:
         self._failed_hashes: set[bytes] = set()
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
+        self._retired = TransferStats()  # counters of replaced engines
+        self._groups: list[list[tuple[str, torch.Tensor]]] = []
+        self._lock = threading.Lock()
+        self._reopening = False  # a background open runs
+        self._reopened: tuple[KVStore, TransferEngine] | None = None
+        self._retry_at = 0.0
+        self._backoff_s = RECONNECT_BACKOFF_S[0]
 
     # -- set-up ------------------------------------------------------------------
 
@@ -77,23 +96,102 @@ class WorkerSide:
         if not groups:
             logger.warning("kvpool: no KV tensors on this worker; the connector stays idle")
             return
+        self._groups = groups
         try:
-            self.store = self._open_store(self.pool)
+            self.store, self.engine = self._open()
+        except KVPoolError as exc:
+            logger.error("kvpool: %s; the worker connector stays idle (loads miss)", exc)
+
+    def _open(self) -> tuple[KVStore, TransferEngine]:
+        store = self._open_store(self.pool)
+        try:
             mode = self.settings.load_mode
-            self.engine = TransferEngine(
-                self.store,
-                groups,
+            engine = TransferEngine(
+                store,
+                self._groups,
                 int(self.kv_cache_config.num_blocks),
                 staging_bytes=self.settings.staging_bytes,
                 # Staged by default: bytes reach the KV cache only after their header
                 # and checksum were checked, and each object moves as one segment.
                 load_mode="staged" if mode == "auto" else mode,
+                load_timeout_s=self.settings.load_timeout_s or None,
             )
-        except KVPoolError as exc:
-            logger.error("kvpool: %s; the worker connector stays idle (loads miss)", exc)
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+        except BaseException:
+            store.close()
+            raise
+        return store, engine
+
+    # -- reconnect -------------------------------------------------------------------
+
+    def _check_store(self, results: list[JobResult]) -> list[JobResult]:
+        """Retire a store that stopped answering; adopt a reopened one. Returns the
+        results of loads that the retired engine had not finished (all failed)."""
+        if self.engine is None:
+            self._adopt()
+            return []
+        dead = any(
+            r.statuses and all(s is Status.UNAVAILABLE for s in r.statuses.values())
+            for r in results
+        )
+        if not dead or not self.engine.can_abandon or time.monotonic() < self._retry_at:
+            return []
+        engine, store = self.engine, self.store
+        self.engine = self.store = None
+        engine.abandon_loads()
+        stale = engine.poll()
+        self._retired = self._retired + engine.stats()
+        self._last_stats = TransferStats()
+        logger.warning("kvpool: the pool stopped answering (unavailable); reconnecting")
+        self._start_reopen(engine, store)
+        return stale
+
+    def _start_reopen(self, engine: TransferEngine | None, store: KVStore | None) -> None:
+        self._reopening = True
+        threading.Thread(
+            target=self._reopen, args=(engine, store), name="kvpool-reconnect", daemon=True
+        ).start()
+
+    def _reopen(self, engine: TransferEngine | None, store: KVStore | None) -> None:
+        """Background: close the retired engine and store, then open new ones."""
+        try:
+            if engine is not None:
+                engine.close()
+            if store is not None:
+                store.close()
+            opened: tuple[KVStore, TransferEngine] | None = self._open()
+        except Exception as exc:  # KVPoolError, or anything a dying client raises
+            logger.warning("kvpool: reconnect failed (%s); retrying later", exc)
+            opened = None
+        with self._lock:
+            if opened is not None and not self._groups:  # closed meanwhile
+                opened[1].close()
+                opened[0].close()
+                opened = None
+            self._reopened = opened
+            now = time.monotonic()
+            if opened is None:
+                self._retry_at = now + self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, RECONNECT_BACKOFF_S[1])
+            else:
+                self._retry_at = now + RECONNECT_BACKOFF_S[0]
+                self._backoff_s = RECONNECT_BACKOFF_S[0]
+            self._reopening = False
+
+    def _adopt(self) -> None:
+        with self._lock:
+            opened, self._reopened = self._reopened, None
+            retry = (
+                opened is None
+                and not self._reopening
+                and self._groups
+                and self._retry_at > 0
+                and time.monotonic() >= self._retry_at
+            )
+        if opened is not None:
+            self.store, self.engine = opened
+            logger.warning("kvpool: worker reconnected to the pool")
+        elif retry:
+            self._start_reopen(None, None)
 
     # -- per step ------------------------------------------------------------------
 
@@ -133,9 +231,9 @@ class WorkerSide:
         """(request ids whose load finished, the subset that failed)."""
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
-        if self.engine is None:
-            return done, failed
-        for result in self.engine.poll():
+        results = self.engine.poll() if self.engine is not None else []
+        results += self._check_store(results)
+        for result in results:
             if result.kind != "load":
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
@@ -173,7 +271,9 @@ class WorkerSide:
         return out
 
     def stats(self) -> TransferStats | None:
-        return self.engine.stats() if self.engine is not None else None
+        if self.engine is None:
+            return None if not self._groups else self._retired
+        return self._retired + self.engine.stats()
 
     def interval_stats(self) -> dict[str, Any] | None:
         """Counters since the previous call (None when idle or nothing happened)."""
@@ -187,6 +287,12 @@ class WorkerSide:
         return data if KVPoolStats(data=data).is_empty() is False else None
 
     def close(self) -> None:
+        with self._lock:
+            self._groups = []  # a reopen still running closes what it opens
+            opened, self._reopened = self._reopened, None
+        if opened is not None:
+            opened[1].close()
+            opened[0].close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

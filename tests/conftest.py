@@ -3,6 +3,7 @@
     tests/unit/   -> marker ``unit``   (pure logic, no processes)
     tests/store/  -> marker ``store``  (a real mooncake_master on loopback)
     tests/vllm/   -> marker ``vllm``   (a real vLLM engine on the CPU)
+    tests/chaos/  -> marker ``chaos``  (the fault matrix: real pools and engines)
 
 Fixtures:
     pool_factory  ``pool_factory(segment_size=256 MiB, with_holder=True, client_ttl=2,
@@ -29,7 +30,7 @@ os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = "1"
 
 _TESTS = Path(__file__).parent
-_MARKERS = {"unit", "store", "vllm"}
+_MARKERS = {"unit", "store", "vllm", "chaos"}
 
 PoolFactory: TypeAlias = Callable[..., LocalPool]
 

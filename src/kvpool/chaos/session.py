@@ -1,0 +1,126 @@
+"""A vLLM engine process driven phase by phase, so faults can happen in between.
+
+    EngineSession.start(spec, workdir, name)   ``python -m kvpool.demo.engine`` with a
+                                    ``phases`` spec (and ``hold``: wait before phase 0)
+    session.ready(timeout)          wait until the engine is up (only with ``hold``)
+    session.next_phase(timeout)     let the next phase run; its results and the
+                                    connector's counters so far
+    session.finish(timeout)         let it end (no more phases); the final result
+    session.kill()                  SIGKILL (an engine that crashes or is restarted)
+    session.log()                   its stderr so far
+
+Lines from the engine are read on a thread into a queue; every wait is on that
+queue with a deadline, and an engine that dies raises ``EngineFailed`` with the
+tail of its log at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["EngineFailed", "EngineSession"]
+
+
+class EngineFailed(RuntimeError):
+    """The engine process exited or did not answer in time."""
+
+
+class EngineSession:
+    def __init__(self, proc: subprocess.Popen[str], log_path: Path) -> None:
+        self._proc = proc
+        self._log_path = log_path
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._phase = 0
+        self._held = False
+        assert proc.stdout is not None
+        threading.Thread(target=self._read, args=(proc.stdout,), daemon=True).start()
+
+    @classmethod
+    def start(
+        cls, spec: dict[str, Any], workdir: Path, name: str, env: dict[str, str] | None = None
+    ) -> EngineSession:
+        workdir.mkdir(parents=True, exist_ok=True)
+        path = workdir / f"{name}.json"
+        path.write_text(json.dumps(spec))
+        log_path = workdir / f"{name}.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvpool.demo.engine", str(path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=dict(os.environ, **(env or {})),
+            )
+        session = cls(proc, log_path)
+        session._held = bool(spec.get("hold"))
+        return session
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            if line.startswith("KVPOOL-"):
+                self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _expect(self, prefix: str, timeout: float) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+            while line is not None and not line.startswith(prefix):
+                line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineFailed(f"no {prefix!r} from the engine within {timeout:.0f} s") from None
+        if line is None:
+            self._proc.wait()
+            tail = "\n".join(self.log().splitlines()[-15:])
+            raise EngineFailed(f"the engine exited (rc {self._proc.returncode}):\n{tail}")
+        return line.removeprefix(prefix)
+
+    def _send(self) -> None:
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write("go\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died; _expect reports how
+
+    def ready(self, timeout: float = 300.0) -> None:
+        self._expect("KVPOOL-READY", timeout)
+
+    def next_phase(self, timeout: float = 300.0) -> dict[str, Any]:
+        if self._phase > 0 or self._held:
+            self._send()
+        out: dict[str, Any] = json.loads(self._expect(f"KVPOOL-PHASE {self._phase} ", timeout))
+        self._phase += 1
+        return out
+
+    def finish(self, timeout: float = 300.0) -> dict[str, Any]:
+        """Skip the phases left; the engine prints its result and exits."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        result: dict[str, Any] = json.loads(self._expect("KVPOOL-RESULT ", timeout))
+        self._proc.wait(timeout)
+        return result
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+
+    def log(self) -> str:
+        try:
+            return self._log_path.read_text()
+        except OSError:
+            return ""
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

@@ -91,6 +91,7 @@ class JobResult:
     skipped: int = 0  # saves: chunks not written (already stored, or refused)
     nbytes: int = 0  # payload bytes moved
     seconds: float = 0.0  # wall time from submit to finish
+    known: tuple[str, ...] = ()  # saves: keys skipped as stored recently (no store call)
 
     @property
     def ok(self) -> bool:
@@ -187,6 +188,7 @@ class _Job:
     staging: int | None = None  # offset in the staging arena
     offsets: list[int] = field(default_factory=list)  # per chunk, in the arena
     skipped: int = 0
+    known: list[str] = field(default_factory=list)  # saves: keys skipped as stored recently
     # Loads: set under ``lock`` when the job's result is published (by the load
     # thread, or by ``poll`` at the deadline); the load thread checks it under the
     # same lock before copying into the KV tensors, so a job reported TIMED_OUT
@@ -289,6 +291,7 @@ class TransferEngine:
             for c in sorted(chunks, key=lambda c: (c.group, c.chunk)):
                 if c.key in self._known:
                     job.skipped += 1
+                    job.known.append(c.key)
                 else:
                     job.chunks.append(c)
         with self._stats_lock:
@@ -656,6 +659,7 @@ class TransferEngine:
                 skipped,
                 nbytes,
                 time.monotonic() - job.submitted,
+                tuple(job.known),
             )
         )
 

@@ -1,4 +1,8 @@
-"""Real vLLM engines share prefixes through a real pool, with identical outputs."""
+"""Real vLLM engines share prefixes through a real pool, with identical outputs.
+
+Faults (corrupt or vanishing objects, dead pool processes, ...) are the chaos
+tier's rows: tests/chaos and ``kvpool.chaos.matrix``.
+"""
 
 from __future__ import annotations
 
@@ -67,50 +71,67 @@ def test_pool_stopped_between_engines_is_a_miss_not_a_failure(
     assert "cannot reach mooncake_master" in b["log"] and "stays idle" in b["log"]
 
 
-def test_corrupt_objects_are_recomputed_removed_and_never_loop(
+def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:
-    from mooncake.store import MooncakeDistributedStore
+    import threading
 
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from kvpool.pool import master_keys
+
+    # vLLM's publisher connects to a tcp://HOST:PORT endpoint (it binds only to "*"),
+    # so the subscriber binds.
+    batches: list[bytes] = []
+    stop = threading.Event()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+
+    def listen() -> None:
+        while not stop.is_set():
+            if sub.poll(100):
+                batches.append(sub.recv_multipart()[-1])
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    try:
+        pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+        run_engine(spec(tiny_model, "kvpool", pool_file, kv_events_endpoint=endpoint))
+    finally:
+        stop.set()
+        listener.join()
+        sub.close()
+        ctx.term()
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    events = [e for b in batches for e in decoder.decode(b).events]
+    ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
+    chunks = {tuple(p[: (i + 1) * BLOCK]) for p in prompts() for i in range(len(p) // BLOCK)}
+    assert len(ours) == len(chunks) == len(master_keys(local_pool.config().metrics_url))
+    assert all(e.block_size == BLOCK and len(e.token_ids) == BLOCK for e in ours)
+    by_tokens = {tuple(e.token_ids): e for e in ours}
+    for p in prompts():  # each chunk's parent is the chunk before it in the prompt
+        first = by_tokens[tuple(p[:BLOCK])]
+        second = by_tokens[tuple(p[BLOCK : 2 * BLOCK])]
+        assert first.parent_block_hash is None
+        assert second.parent_block_hash == first.block_hashes[0]
+
+
+def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
     from kvpool.pool import master_keys
 
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
     base = run_engine(spec(tiny_model, "none"))
-    run_engine(spec(tiny_model, "kvpool", pool_file))
-    cfg = local_pool.config()
-    keys = master_keys(cfg.metrics_url)
-    assert keys, "engine A saved nothing"
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", cfg.master_address) == 0
-    try:
-        for key in keys:  # same size, other bytes: a stale or aliased object
-            size = store.get_size(key)
-            assert store.remove(key, True) == 0
-            assert store.put(key, bytes([0xA5]) * size) == 0
-    finally:
-        store.close()
-    b = run_engine(spec(tiny_model, "kvpool", pool_file))
+    two = {"pool_file": pool_file, "chunk_size": 2 * BLOCK}
+    run_engine(spec(tiny_model, "kvpool", extra=two))
+    chunks = {tuple(p[: (i + 1) * 2 * BLOCK]) for p in prompts() for i in range(len(p) // 64)}
+    assert len(master_keys(local_pool.config().metrics_url)) == len(chunks) == 4
+    b = run_engine(spec(tiny_model, "kvpool", extra=two))
     assert_same_outputs(b, base)
-    failures = b["log"].count("failed (corrupt)")
-    assert 1 <= failures <= len(b["results"])  # reported, and never retried in a loop
-    # The bad objects were removed and B saved its recomputed KV: the pool has healed.
-    c = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert c["results"][0]["cached_tokens"] >= 256
-    assert [r["logprobs"] for r in c["results"]] == [r["logprobs"] for r in base["results"]]
-
-
-def test_chunks_gone_between_lookup_and_load_are_recomputed(
-    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
-) -> None:
-    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-    base = run_engine(spec(tiny_model, "none"))
-    run_engine(spec(tiny_model, "kvpool", pool_file))
-    vanishing = spec(tiny_model, "kvpool", pool_file)
-    vanishing["extra"]["store"] = "faulty_store:VanishingStore"
-    b = run_engine(vanishing)
-    assert_same_outputs(b, base)
-    failures = b["log"].count("failed (missing)")
-    assert 1 <= failures <= len(b["results"])  # every lookup hit, each load missed once
-    # B saved what it recomputed, so a later engine hits again.
-    c = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert c["results"][0]["cached_tokens"] >= 256
+    assert b["results"][0]["cached_tokens"] >= 256

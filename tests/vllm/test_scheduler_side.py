@@ -24,10 +24,12 @@ class FakeRequest:
     num_tokens: int
     num_prompt_tokens: int
     block_hashes: list[bytes] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def make(cls, rid: str, tokens: int) -> FakeRequest:
-        return cls(rid, tokens, tokens, [bytes([i]) * 8 for i in range(tokens // B)])
+        hashes = [bytes([i]) * 8 for i in range(tokens // B)]
+        return cls(rid, tokens, tokens, hashes, [1000 + t for t in range(tokens)])
 
 
 class FakeLookup:
@@ -59,23 +61,27 @@ class FakeManager:
         return self.tables[req_id]
 
 
-def identity() -> EngineIdentity:
-    layout = Layout.create(tp=1, groups=["gqa:2"])
+def identity(tp: int = 1, blocks_per_chunk: int = 1) -> EngineIdentity:
+    layout = Layout.create(tp=tp, groups=["gqa:2"])
+    chunk = B * blocks_per_chunk
     space = KeySpace.create(
         model="m",
         layout=layout,
         kv_dtype="f32",
         model_dtype="f32",
-        chunk_size=B,
+        chunk_size=chunk,
         head_size=32,
         num_layers=2,
     )
-    return EngineIdentity(layout, space, B, B, 0)
+    return EngineIdentity(layout, space, B, chunk, 0)
 
 
-def side(hit: int, **settings: Any) -> tuple[SchedulerSide, FakeLookup, FakeManager]:
+def side(
+    hit: int, tp: int = 1, events: bool = False, blocks_per_chunk: int = 1, **settings: Any
+) -> tuple[SchedulerSide, FakeLookup, FakeManager]:
     lookup, manager = FakeLookup(hit), FakeManager()
-    s = SchedulerSide(identity(), ConnectorSettings(**settings), lookup, manager)
+    ident = identity(tp, blocks_per_chunk)
+    s = SchedulerSide(ident, ConnectorSettings(**settings), lookup, manager, events)
     return s, lookup, manager
 
 
@@ -170,3 +176,82 @@ def test_extra_config_is_validated() -> None:
         parse_extra({"lookup_timeout": 5})
     with pytest.raises(ValueError, match="load_mode"):
         parse_extra({"load_mode": "fast"})
+
+
+def test_a_chunk_is_a_stored_event_once_every_rank_stored_its_objects() -> None:
+    """TP=4 with 2 KV heads: two distinct contents per chunk, written by two ranks."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as ext
+
+    s, _, manager = side(hit=0, tp=4, events=True)
+    req = FakeRequest.make("r", 3 * B + 7)
+    s.matched_tokens(req, 0)
+    s.after_alloc(req, 0)
+    manager.tables["r"] = (list(range(4)),)
+    meta = s.build_meta(step([("r", 0)], {"r": 3 * B + 7}))
+    assert [c.chunk for c in meta.saves[0].chunks] == [0, 1, 2]
+    h = req.block_hashes
+    # One rank reports chunks 0 and 1; the other rank only chunk 0 so far.
+    first = KVPoolWorkerMetadata(stored={h[0]: 1, h[1]: 1}, fresh={h[0], h[1]})
+    merged = first.aggregate(KVPoolWorkerMetadata(stored={h[0]: 1}))
+    s.worker_output(merged)
+    (event,) = s.take_events()
+    assert isinstance(event, BlockStored)
+    assert event.block_hashes == [ext(h[0])] and event.parent_block_hash is None
+    assert event.token_ids == req.all_token_ids[:B] and event.block_size == B
+    assert s.take_events() == []
+    s.worker_output(KVPoolWorkerMetadata(stored={h[1]: 1, h[2]: 1}, fresh={h[2]}))
+    (event,) = s.take_events()  # chunk 1 complete; chunk 2 still has one object of two
+    assert event.block_hashes == [ext(h[1])] and event.parent_block_hash == ext(h[0])
+    assert event.token_ids == req.all_token_ids[B : 2 * B]
+    # A chunk whose objects were all found in the pool already is not announced again.
+    s.build_meta(step([("r", 0)], {"r": 3 * B + 7}))
+    s.worker_output(KVPoolWorkerMetadata(stored={h[2]: 1}))
+    (event,) = s.take_events()
+    assert event.block_hashes == [ext(h[2])]
+    req2 = FakeRequest.make("r2", 2 * B)
+    s.matched_tokens(req2, 0)
+    s.after_alloc(req2, 0)
+    manager.tables["r2"] = (list(range(2)),)
+    s.build_meta(step([("r2", 0)], {"r2": 2 * B}))
+    s.worker_output(KVPoolWorkerMetadata(stored={h[0]: 2}))  # found, not put
+    assert s.take_events() == []
+
+
+def test_no_events_unless_vllm_asks_for_them() -> None:
+    s, _, manager = side(hit=0)
+    req = FakeRequest.make("r", 2 * B)
+    s.matched_tokens(req, 0)
+    s.after_alloc(req, 0)
+    manager.tables["r"] = (list(range(2)),)
+    s.build_meta(step([("r", 0)], {"r": 2 * B}))
+    s.worker_output(
+        KVPoolWorkerMetadata(stored={req.block_hashes[0]: 1}, fresh={req.block_hashes[0]})
+    )
+    assert s.take_events() == []
+
+
+def test_a_chunk_of_several_blocks_is_named_by_its_last_block_hash() -> None:
+    s, lookup, manager = side(hit=0, blocks_per_chunk=2)
+    lookup.hit = 10**9  # FakeLookup counts hits in blocks of B; cap it below
+    req = FakeRequest.make("r", 7 * B + 5)  # 7 full blocks: 3 full chunks of 2 blocks
+    h = req.block_hashes
+    need, _ = s.matched_tokens(req, 0)
+    assert lookup.calls[-1] == [h[1], h[3], h[5]]
+    assert need == 2 * B  # FakeLookup answers len(hashes) * B tokens: 1.5 chunks -> 1
+    s.after_alloc(req, need)
+    manager.tables["r"] = (list(range(100, 108)),)
+    (load,) = s.build_meta(step([], {})).loads
+    assert [(c.chunk, c.chunk_hash, c.block_ids) for c in load.chunks] == [(0, h[1], ((100, 101),))]
+    # Not aligned to a chunk (local cache has 3 blocks): nothing to load.
+    assert s.matched_tokens(FakeRequest.make("q", 7 * B + 5), 3 * B) == (0, False)
+    s2, _, manager2 = side(hit=0, blocks_per_chunk=2)
+    req2 = FakeRequest.make("w", 5 * B)
+    s2.matched_tokens(req2, 0)
+    s2.after_alloc(req2, 0)
+    manager2.tables["w"] = (list(range(5)),)
+    (save,) = s2.build_meta(step([("w", 0)], {"w": 5 * B})).saves
+    assert [(c.chunk, c.chunk_hash) for c in save.chunks] == [
+        (0, req2.block_hashes[1]),
+        (1, req2.block_hashes[3]),
+    ]

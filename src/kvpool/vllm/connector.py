@@ -15,6 +15,10 @@ free blocks at once (``request_finished`` never delays frees).
 When the pool is not configured or not reachable, or the model uses something
 kvpool cannot pool yet, the connector logs one line saying why (and how to
 start a pool) and stays idle: lookups miss, nothing is saved, the engine serves.
+
+With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events": true}'``),
+``take_events`` yields a ``BlockStored`` (medium "cpu", block size = chunk size)
+for each chunk once all of its objects, from every rank, are in the pool.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,6 +58,7 @@ from kvpool.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -111,18 +117,30 @@ class KVPoolConnector(KVConnectorBase_V1):
             identity = engine_identity(vllm_config, kv_cache_config, settings.chunk_size)
             pool = load_config(pool_settings)
             pool.require_master()
+            events_config = getattr(vllm_config, "kv_events_config", None)
+            events = bool(getattr(events_config, "enable_kv_cache_events", False))
             if role == KVConnectorRole.SCHEDULER:
-                self._sched = self._start_scheduler(identity, settings, pool)
+                self._sched = self._start_scheduler(identity, settings, pool, events)
             else:
                 rank = worker_rank(identity.layout)
                 self._worker = WorkerSide(
-                    identity, rank, settings, pool, kv_cache_config, _framed(identity, settings)
+                    identity,
+                    rank,
+                    settings,
+                    pool,
+                    kv_cache_config,
+                    _framed(identity, settings),
+                    events=events,
                 )
         except KVPoolError as exc:
             logger.error("kvpool: %s; the connector stays idle", exc)
 
     def _start_scheduler(
-        self, identity: EngineIdentity, settings: ConnectorSettings, pool: PoolConfig
+        self,
+        identity: EngineIdentity,
+        settings: ConnectorSettings,
+        pool: PoolConfig,
+        events: bool,
     ) -> SchedulerSide:
         from kvpool.lookup.client import LookupClient
         from kvpool.lookup.server import LookupServer
@@ -139,7 +157,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
         self._closers.insert(0, client.close)
         logger.info("kvpool: scheduler lookups at %s (pool %s)", endpoint, pool.master_address)
-        return SchedulerSide(identity, settings, client)
+        return SchedulerSide(identity, settings, client, events=events)
 
     # ==============================
     # Scheduler side
@@ -171,6 +189,9 @@ class KVPoolConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
             self._sched.worker_output(connector_output.kv_connector_worker_meta)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._sched.take_events() if self._sched is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

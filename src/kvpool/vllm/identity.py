@@ -74,10 +74,10 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
                 "are not supported yet"
             )
     chunk = chunk_size or block_size
-    if chunk != block_size:
+    if chunk % block_size:
         raise UnsupportedEngine(
-            f"chunk_size={chunk} must equal the block size {block_size} for now; "
-            "leave chunk_size unset"
+            f"chunk_size={chunk} must be a multiple of the block size {block_size} "
+            "(or unset: one block per pool object)"
         )
     layout = Layout.create(
         tp=int(parallel.tensor_parallel_size),

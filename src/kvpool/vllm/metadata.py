@@ -42,9 +42,19 @@ class KVPoolMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
-    failed_hashes: set[bytes] = field(default_factory=set)
+    failed_hashes: set[bytes] = field(default_factory=set)  # chunks whose load failed
+    # chunk hash -> objects of it now in the pool, from this worker's saves (only
+    # with KV events on); summed over workers, a chunk is stored when the sum
+    # reaches the layout's objects per chunk
+    stored: dict[bytes, int] = field(default_factory=dict)
+    fresh: set[bytes] = field(default_factory=set)  # chunks with an object put just now
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, KVPoolWorkerMetadata):
-            return KVPoolWorkerMetadata(self.failed_hashes | other.failed_hashes)
-        return self
+        if not isinstance(other, KVPoolWorkerMetadata):
+            return self
+        stored = dict(self.stored)
+        for h, n in other.stored.items():
+            stored[h] = stored.get(h, 0) + n
+        return KVPoolWorkerMetadata(
+            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh
+        )

@@ -11,7 +11,10 @@
     SchedulerSide.finished(request)  forget it
     SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
-        failed load never loops
+        failed load never loops; with ``events``, a chunk whose every object
+        (the layout's objects per chunk, over all ranks) reached the pool
+        becomes a ``BlockStored`` event
+    SchedulerSide.take_events()  the KV events since the last call
 
 Block ids come from vLLM's KV cache manager at the step they are used (never
 from a mirror of the block tables). The lookup itself is the lookup service
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +36,8 @@ from kvpool.vllm.settings import ConnectorSettings
 __all__ = ["Lookup", "SchedulerSide"]
 
 logger = logging.getLogger(__name__)
+
+_MAX_UNSTORED = 65536  # chunks awaiting their stored report (older ones are dropped)
 
 
 class Lookup(Protocol):
@@ -60,6 +66,7 @@ class SchedulerSide:
         settings: ConnectorSettings,
         lookup: Lookup,
         kv_cache_manager: Any = None,
+        events: bool = False,
     ) -> None:
         self.identity = identity
         self.settings = settings
@@ -71,13 +78,21 @@ class SchedulerSide:
         self._async_started: set[str] = set()
         self.lookups = 0
         self.hit_tokens = 0
+        self.events = events
+        layout = identity.layout
+        self._objects_per_chunk = sum(len(layout.contents(g)) for g in range(len(layout.groups)))
+        # chunk hash -> [objects stored so far, token ids, parent chunk hash, fresh]
+        self._unstored: OrderedDict[bytes, list[Any]] = OrderedDict()
+        self._events: list[Any] = []
+        self.stored_events = 0
 
     # -- lookups ---------------------------------------------------------------
 
     def _hashes(self, request: Any) -> list[bytes]:
         """Chunk hashes of the request's known tokens, cut at the first suppressed one."""
-        n = request.num_tokens // self.identity.chunk_size
-        hashes = [bytes(h) for h in request.block_hashes[:n]]
+        m = self.identity.blocks_per_chunk
+        n = min(request.num_tokens // self.identity.chunk_size, len(request.block_hashes) // m)
+        hashes = [bytes(request.block_hashes[(i + 1) * m - 1]) for i in range(n)]
         if self._suppressed:
             now = time.monotonic()
             self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
@@ -105,7 +120,9 @@ class SchedulerSide:
             hit = self.lookup.lookup(req_id, hashes, request.num_tokens)
         self.lookups += 1
         # Whole chunks only, and never the last prompt token (vLLM must compute it).
-        hit = min(hit, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk)
+        hit = min(
+            hit // chunk * chunk, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk
+        )
         need = hit - num_computed_tokens
         if need <= 0 or num_computed_tokens % chunk:
             return 0, False
@@ -145,9 +162,15 @@ class SchedulerSide:
             req = state.request
             limit = req.num_tokens if self.settings.save_decode else req.num_prompt_tokens
             done = min(before.get(req_id, 0) + n, limit)
-            end = min(done // self.identity.chunk_size, len(req.block_hashes))
+            end = min(
+                done // self.identity.chunk_size,
+                len(req.block_hashes) // self.identity.blocks_per_chunk,
+            )
             if end > state.saved:
-                meta.saves.append(RequestOps(req_id, self._chunk_ops(state, state.saved, end)))
+                chunks = self._chunk_ops(state, state.saved, end)
+                meta.saves.append(RequestOps(req_id, chunks))
+                if self.events:
+                    self._expect_stored(req, chunks)
                 state.saved = end
         for req_id in out.finished_req_ids:
             self.forget(req_id)
@@ -158,9 +181,61 @@ class SchedulerSide:
         m = self.identity.blocks_per_chunk
         hashes = state.request.block_hashes
         return tuple(
-            ChunkOp(k, bytes(hashes[k]), tuple(tuple(g[k * m : (k + 1) * m]) for g in ids))
+            ChunkOp(
+                k,
+                bytes(hashes[(k + 1) * m - 1]),  # a block hash covers its whole prefix
+                tuple(tuple(g[k * m : (k + 1) * m]) for g in ids),
+            )
             for k in range(a, b)
         )
+
+    # -- KV events --------------------------------------------------------------------
+
+    def _expect_stored(self, req: Any, chunks: tuple[ChunkOp, ...]) -> None:
+        n, m = self.identity.chunk_size, self.identity.blocks_per_chunk
+        hashes = req.block_hashes
+        for c in chunks:
+            parent = bytes(hashes[c.chunk * m - 1]) if c.chunk > 0 else None
+            tokens = list(req.all_token_ids[c.chunk * n : (c.chunk + 1) * n])
+            self._unstored.setdefault(c.chunk_hash, [0, tokens, parent, False])
+            self._unstored.move_to_end(c.chunk_hash)
+        while len(self._unstored) > _MAX_UNSTORED:  # saves that never completed
+            self._unstored.popitem(last=False)
+
+    def _stored(self, stored: dict[bytes, int], fresh: set[bytes]) -> None:
+        """Count reported objects; a chunk complete with at least one object put by
+        this engine (not only found there) becomes one event."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        for h, count in stored.items():
+            entry = self._unstored.get(h)
+            if entry is None:
+                continue
+            entry[0] += count
+            entry[3] = entry[3] or h in fresh
+            if entry[0] < self._objects_per_chunk:
+                continue
+            del self._unstored[h]
+            _, tokens, parent, new = entry
+            if not new:  # already in the pool before: announced when it was put
+                continue
+            self.stored_events += 1
+            self._events.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(h)],
+                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                    token_ids=tokens,
+                    block_size=self.identity.chunk_size,
+                    lora_id=None,
+                    medium="cpu",  # the pool's host memory, as vLLM's other CPU tiers
+                    lora_name=None,
+                )
+            )
+
+    def take_events(self) -> list[Any]:
+        out, self._events = self._events, []
+        return out
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -172,6 +247,8 @@ class SchedulerSide:
             self.lookup.cancel(req_id)
 
     def worker_output(self, meta: Any) -> None:
+        if isinstance(meta, KVPoolWorkerMetadata) and meta.stored and self.events:
+            self._stored(meta.stored, meta.fresh)
         if isinstance(meta, KVPoolWorkerMetadata) and meta.failed_hashes:
             until = time.monotonic() + self.settings.failed_key_ttl_s
             for h in meta.failed_hashes:

@@ -11,7 +11,8 @@
     WorkerSide.load_errors()        block ids to recompute, reported no later than
         the step that returns their request as finished
     WorkerSide.worker_meta()        chunk hashes that failed to load, for the
-        scheduler's lookup suppression
+        scheduler's lookup suppression, and (``events``) the objects per chunk
+        hash that this worker's saves put in the pool
 
 A request whose load finished is always reported finished, failed or not.
 
@@ -60,6 +61,7 @@ class WorkerSide:
         pool: PoolConfig,
         kv_cache_config: Any,
         open_store: Callable[[PoolConfig], KVStore],
+        events: bool = False,
     ) -> None:
         self.identity = identity
         self.rank = rank
@@ -74,6 +76,10 @@ class WorkerSide:
         self._loads: dict[object, tuple[str, dict[str, bytes]]] = {}  # job -> (req, key->hash)
         self._invalid: set[int] = set()
         self._failed_hashes: set[bytes] = set()
+        self._events = events  # report stored chunks (for vLLM's KV events)
+        self._saves: dict[object, dict[str, bytes]] = {}  # job -> key -> chunk hash
+        self._stored: dict[bytes, int] = {}  # chunk hash -> objects stored
+        self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
         self._retired = TransferStats()  # counters of replaced engines
@@ -137,6 +143,7 @@ class WorkerSide:
             return []
         engine, store = self.engine, self.store
         self.engine = self.store = None
+        self._saves.clear()  # the retired engine reports no more saves
         engine.abandon_loads()
         stale = engine.poll()
         self._retired = self._retired + engine.stats()
@@ -223,9 +230,13 @@ class WorkerSide:
         if self.engine is None:
             return
         for ops in meta.saves:
-            refs = [r for r, _ in self._refs(ops, writing=True)]
-            if refs:
-                self.engine.submit_save(("save", next(self._jobs)), refs)
+            pairs = self._refs(ops, writing=True)
+            if not pairs:
+                continue
+            job = ("save", next(self._jobs))
+            if self._events:
+                self._saves[job] = {r.key: h for r, h in pairs}
+            self.engine.submit_save(job, [r for r, _ in pairs])
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(request ids whose load finished, the subset that failed)."""
@@ -235,6 +246,7 @@ class WorkerSide:
         results += self._check_store(results)
         for result in results:
             if result.kind != "load":
+                self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
             done.add(req_id)
@@ -259,15 +271,25 @@ class WorkerSide:
                 )
         return done, failed
 
+    def _note_stored(self, result: JobResult) -> None:
+        hashes = self._saves.pop(result.job_id, None)
+        if hashes is None:
+            return
+        keys = [k for k, st in result.statuses.items() if st.stored] + list(result.known)
+        for k in keys:
+            h = hashes[k]
+            self._stored[h] = self._stored.get(h, 0) + 1
+        self._fresh.update(hashes[k] for k, st in result.statuses.items() if st is Status.OK)
+
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
 
     def worker_meta(self) -> KVPoolWorkerMetadata | None:
-        if not self._failed_hashes:
+        if not self._failed_hashes and not self._stored:
             return None
-        out = KVPoolWorkerMetadata(self._failed_hashes)
-        self._failed_hashes = set()
+        out = KVPoolWorkerMetadata(self._failed_hashes, self._stored, self._fresh)
+        self._failed_hashes, self._stored, self._fresh = set(), {}, set()
         return out
 
     def stats(self) -> TransferStats | None:

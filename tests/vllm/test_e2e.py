@@ -6,10 +6,13 @@ tier's rows: tests/chaos and ``kvpool.chaos.matrix``.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -135,3 +138,25 @@ def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
     b = run_engine(spec(tiny_model, "kvpool", extra=two))
     assert_same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP=2 on the CPU needs 2 cores")
+def test_tp2_engines_write_one_object_per_head_and_share_prefixes(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks (one KV head each) in worker processes: each rank writes its own
+    head's object of every chunk, and a fresh TP=2 engine loads both."""
+    from kvpool.demo.run import outputs_match
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    tp2 = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    a = run_engine(spec(tiny_model, "kvpool", pool_file, **tp2))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    chunks = {tuple(p[: (i + 1) * BLOCK]) for p in prompts() for i in range(len(p) // BLOCK)}
+    assert sorted({k.content.head_slot for k in keys}) == [0, 1]
+    assert len(keys) == 2 * len(chunks)
+    b = run_engine(spec(tiny_model, "kvpool", pool_file, **tp2))
+    assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
+    assert all(outputs_match(rb, ra) for rb, ra in zip(b["results"], a["results"], strict=True))

@@ -5,7 +5,8 @@
 SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
-       "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT"}
+       "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
+       "env": {"NAME": "value"}}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 
@@ -44,6 +45,7 @@ _ENV = {
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
+    os.environ.update(spec.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tp > 1
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
@@ -87,6 +89,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         block_size=spec.get("block_size", 32),
         kv_transfer_config=transfer,
         kv_events_config=events,
+        tensor_parallel_size=spec.get("tp", 1),
         enable_prefix_caching=spec.get("prefix_caching", True),
         disable_log_stats=False,  # per-request metrics: time to first token
     )

@@ -676,7 +676,7 @@ ROWS: list[Row] = [
     ),
     Row(
         "pool-full",
-        "pool much smaller than the working set",
+        "pool filled to its high watermark by other tenants",
         "eviction/back-off, never a wrong byte",
         _pool_full,
         2,

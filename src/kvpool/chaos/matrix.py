@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.chaos.session import EngineFailed, EngineSession
 from kvpool.demo.run import outputs_match
+from kvpool.demo.session import EngineFailed, EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import lookup_endpoint, parse_key

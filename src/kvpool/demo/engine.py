@@ -6,7 +6,7 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
        "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
-       "env": {"NAME": "value"}}
+       "env": {"NAME": "value"}, "log_level": "DEBUG"}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 
@@ -25,6 +25,7 @@ a fresh process has an empty local prefix cache, as a restarted engine would.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -46,6 +47,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     os.environ.update(spec.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tp > 1
+    if spec.get("log_level"):  # kvpool's own log on stderr, e.g. "DEBUG" for transfer timings
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        logging.getLogger("kvpool").addHandler(handler)
+        logging.getLogger("kvpool").setLevel(spec["log_level"])
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
@@ -110,8 +116,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             sys.stdout.flush()
             if not sys.stdin.readline():
                 spec["phases"] = []
+        done_prompts = 0
         for i, batch in enumerate(spec["phases"]):
-            phases.append([_generate(llm, greedy, ids) for ids in batch])
+            phases.append([])
+            for ids in batch:
+                phases[-1].append(_generate(llm, greedy, ids))
+                done_prompts += 1
+                if spec.get("progress"):
+                    sys.stdout.write(f"\nKVPOOL-PROGRESS {done_prompts}\n")
+                    sys.stdout.flush()
             done = {"results": phases[-1], "connector": _connector_stats(llm)}
             sys.stdout.write(f"\nKVPOOL-PHASE {i} " + json.dumps(done) + "\n")
             sys.stdout.flush()

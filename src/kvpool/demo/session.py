@@ -1,7 +1,8 @@
 """A vLLM engine process driven phase by phase, so faults can happen in between.
 
-    EngineSession.start(spec, workdir, name)   ``python -m kvpool.demo.engine`` with a
-                                    ``phases`` spec (and ``hold``: wait before phase 0)
+    EngineSession.start(spec, workdir, name, env, on_progress)  ``python -m
+                                    kvpool.demo.engine`` with a ``phases`` spec (and
+                                    ``hold``: wait before phase 0)
     session.ready(timeout)          wait until the engine is up (only with ``hold``)
     session.next_phase(timeout)     let the next phase run; its results and the
                                     connector's counters so far
@@ -22,6 +23,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,8 +35,14 @@ class EngineFailed(RuntimeError):
 
 
 class EngineSession:
-    def __init__(self, proc: subprocess.Popen[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        log_path: Path,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
         self._proc = proc
+        self._on_progress = on_progress
         self._log_path = log_path
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._phase = 0
@@ -44,8 +52,14 @@ class EngineSession:
 
     @classmethod
     def start(
-        cls, spec: dict[str, Any], workdir: Path, name: str, env: dict[str, str] | None = None
+        cls,
+        spec: dict[str, Any],
+        workdir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> EngineSession:
+        """Start the engine; ``on_progress(prompts done)`` with ``spec["progress"]``."""
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / f"{name}.json"
         path.write_text(json.dumps(spec))
@@ -59,13 +73,15 @@ class EngineSession:
                 text=True,
                 env=dict(os.environ, **(env or {})),
             )
-        session = cls(proc, log_path)
+        session = cls(proc, log_path, on_progress)
         session._held = bool(spec.get("hold"))
         return session
 
     def _read(self, stream: IO[str]) -> None:
         for line in stream:
-            if line.startswith("KVPOOL-"):
+            if line.startswith("KVPOOL-PROGRESS ") and self._on_progress is not None:
+                self._on_progress(int(line.split()[1]))
+            elif line.startswith("KVPOOL-"):
                 self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 

@@ -11,6 +11,7 @@
                                    through staging (``"staged"``, forced when the
                                    store moves bytes only through its own buffers,
                                    as on Mooncake's same-host shared-memory path)
+    wait_any(timeout)              block until some job finished (or timeout)
     poll()                         finished jobs (``JobResult``); never blocks; a
                                    staged load older than ``load_timeout_s`` is
                                    reported here as TIMED_OUT and abandoned
@@ -345,6 +346,12 @@ class TransferEngine:
             while self._done:
                 out.append(self._done.popleft())
         return out
+
+    def wait_any(self, timeout: float) -> bool:
+        """Block until some job finished (its result waits for ``poll``) or ``timeout``
+        seconds passed; whether a result is ready."""
+        with self._done_cond:
+            return self._done_cond.wait_for(lambda: bool(self._done), timeout)
 
     def wait(self, job_ids: Iterable[Hashable], timeout: float | None = None) -> list[JobResult]:
         """Block until every job in ``job_ids`` finished (or ``timeout``); return those.

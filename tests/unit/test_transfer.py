@@ -354,3 +354,13 @@ def test_late_staged_load_is_reported_timed_out_and_never_written_into_kv() -> N
     for (_, t), old in zip(dst, before, strict=True):
         changed = (t != old).flatten(1).any(1).nonzero().flatten().tolist()
         assert changed == [30]
+
+
+def test_wait_any_wakes_on_a_finished_job_and_times_out_without_one(store: KVStore) -> None:
+    layers = cpu_layers(1)
+    eng = engine(store, layers)
+    assert eng.wait_any(0.05) is False  # nothing in flight: the timeout
+    eng.submit_save("s", [ChunkRef("k", 0, 0, (1,))])
+    assert eng.wait_any(10.0) is True
+    assert [r.job_id for r in eng.poll()] == ["s"]
+    eng.close()

@@ -19,4 +19,4 @@ def test_both_connectors_save_everything_and_warm_engines_hit_it(tmp_path: Path)
         assert run.keys_stored == chunks, run
         assert run.warm_hit_tokens == sum((n - 1) // 32 * 32 for n in result.prompt_tokens)
         assert run.identical, run
-        assert 0 < run.warm_ttft_s and 0 < run.cold_ttft_s
+        assert run.warm_ttft_s > 0 and run.cold_ttft_s > 0

@@ -255,3 +255,14 @@ def test_a_chunk_of_several_blocks_is_named_by_its_last_block_hash() -> None:
         (0, req2.block_hashes[1]),
         (1, req2.block_hashes[3]),
     ]
+
+
+def test_a_step_with_no_tokens_scheduled_is_idle() -> None:
+    s, _, manager = side(hit=4 * B)
+    req = FakeRequest.make("r", 8 * B)
+    assert s.matched_tokens(req, 0) == (4 * B, True)
+    s.after_alloc(req, 4 * B)
+    manager.tables["r"] = (list(range(8)),)
+    meta = s.build_meta(step([], {}))  # the request waits for its load
+    assert meta.loads and meta.idle
+    assert not s.build_meta(step([("q", 0)], {"q": 5})).idle

@@ -235,7 +235,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        done, failed = self._worker.finished()
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        done, failed = self._worker.finished(idle=isinstance(meta, KVPoolMetadata) and meta.idle)
         # With several KV groups, block ids are ambiguous: report failures per request.
         multi = len(self._kv_cache_config.kv_cache_groups) > 1
         return KVConnectorTransferResults(

@@ -38,6 +38,10 @@ class RequestOps:
 class KVPoolMetadata(KVConnectorMetadata):
     loads: list[RequestOps] = field(default_factory=list)
     saves: list[RequestOps] = field(default_factory=list)
+    # No tokens are scheduled this step (e.g. every request waits for its load):
+    # the worker may block briefly on its transfers instead of letting the engine
+    # spin through empty steps, which starves the transfer threads of CPU.
+    idle: bool = False
 
 
 @dataclass

@@ -174,6 +174,7 @@ class SchedulerSide:
                 state.saved = end
         for req_id in out.finished_req_ids:
             self.forget(req_id)
+        meta.idle = not out.num_scheduled_tokens
         return meta
 
     def _chunk_ops(self, state: _Request, a: int, b: int) -> tuple[ChunkOp, ...]:

@@ -6,8 +6,8 @@
     WorkerSide.start_loads(meta)    queue this step's loads (background)
     WorkerSide.start_saves(meta)    stage the chunks this rank writes (the layout's
         striping rule) and queue their puts; called after the forward
-    WorkerSide.finished()           (finished loads, failed loads) by request id;
-        never blocks
+    WorkerSide.finished(idle)       (finished loads, failed loads) by request id;
+        blocks only in an idle step with loads in flight, at most IDLE_WAIT_S
     WorkerSide.load_errors()        block ids to recompute, reported no later than
         the step that returns their request as finished
     WorkerSide.worker_meta()        chunk hashes that failed to load, for the
@@ -45,11 +45,12 @@ from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOp
 from kvpool.vllm.settings import ConnectorSettings
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
-__all__ = ["RECONNECT_BACKOFF_S", "WorkerSide"]
+__all__ = ["IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
+IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do
 
 
 class WorkerSide:
@@ -238,10 +239,17 @@ class WorkerSide:
                 self._saves[job] = {r.key: h for r, h in pairs}
             self.engine.submit_save(job, [r for r, _ in pairs])
 
-    def finished(self) -> tuple[set[str], set[str]]:
-        """(request ids whose load finished, the subset that failed)."""
+    def finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
+        """(request ids whose load finished, the subset that failed).
+
+        With ``idle`` (no tokens scheduled this step) and loads in flight, first wait
+        up to ``IDLE_WAIT_S`` for one to finish: the engine would otherwise spin
+        through empty steps and take the CPU the transfer needs.
+        """
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
+        if idle and self._loads and self.engine is not None:
+            self.engine.wait_any(IDLE_WAIT_S)
         results = self.engine.poll() if self.engine is not None else []
         results += self._check_store(results)
         for result in results:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import pytest
+from hypothesis import settings
 
 from kvpool.pool import LocalPool
 
@@ -28,6 +29,12 @@ from kvpool.pool import LocalPool
 # setup against a missing master in seconds rather than ~90 s.
 os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
 os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = "1"
+
+# Property tests draw the same examples on every run, so CI is deterministic; set
+# HYPOTHESIS_PROFILE=explore to draw new ones (and pin what they find with @example).
+settings.register_profile("kvpool", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvpool"))
 
 _TESTS = Path(__file__).parent
 _MARKERS = {"unit", "store", "vllm", "chaos"}

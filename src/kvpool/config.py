@@ -186,7 +186,9 @@ def load_config(
     """
     env = os.environ if env is None else env
     extra = dict(extra or {})
-    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in set(extra) - set(_FIELDS))
+    unknown = sorted(
+        k if isinstance(k, str) and k.isidentifier() else repr(k) for k in set(extra) - set(_FIELDS)
+    )
     if unknown:
         raise ConfigError(
             f"unknown pool setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}"

@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import struct
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,9 +161,35 @@ def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
         for addr, size in segments:
             if size:
                 w = _words(addr, size)
-                total += int(w @ _weights(pos + len(w))[pos:])
+                total += int(np.dot(w, _weights(pos + len(w))[pos:]))
                 pos += len(w)
     return total % (1 << 64)
+
+
+_PARALLEL_BYTES = 8 << 20  # a run this big is summed on two threads
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _row_sums(
+    rows: npt.NDArray[np.uint64], weights: npt.NDArray[np.uint64]
+) -> npt.NDArray[np.uint64]:
+    """``rows @ weights`` mod 2**64. ``np.dot`` releases the GIL (``@`` holds it for
+    the whole product: a stall of several ms for any other Python thread, such as
+    vLLM's engine loop), so a big run is split between this thread and a helper."""
+    global _POOL
+    with np.errstate(over="ignore"):
+        if rows.nbytes < _PARALLEL_BYTES or len(rows) < 2 or (os.cpu_count() or 1) < 2:
+            out: npt.NDArray[np.uint64] = np.dot(rows, weights)
+            return out
+        if _POOL is None:
+            with _POOL_LOCK:
+                if _POOL is None:
+                    _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvpool-checksum")
+        half = len(rows) // 2
+        first = _POOL.submit(np.dot, rows[:half], weights)
+        rest = np.dot(rows[half:], weights)
+        return np.concatenate([first.result(), rest])
 
 
 def batch_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
@@ -188,8 +216,7 @@ def batch_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
                 rows = np.lib.stride_tricks.as_strided(
                     base.view(np.uint64), shape=(n, size // 8), strides=(stride, 8), writeable=False
                 )
-                with np.errstate(over="ignore"):
-                    out.extend(int(v) for v in rows @ _weights(size // 8))
+                out.extend(int(v) for v in _row_sums(rows, _weights(size // 8)))
                 i = j
                 continue
         out.append(payload_checksum(payloads[i]))

@@ -596,6 +596,7 @@ def _check_config(
 @example({}, {"KVPOOL_TRANSFER_TIMEOUT_S": "inf"})
 @example({"master_address": "h:²"}, {})
 @example({1: 2, "a": 3}, {})
+@example({"\n": None}, {})
 @example({"global_segment_size": "1" * 400}, {})
 def test_load_config_from_random_extra_and_env(
     pool_dir: Path, extra: dict[Any, Any], env: dict[str, str]

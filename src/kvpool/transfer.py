@@ -386,19 +386,9 @@ class TransferEngine:
         cutoff = time.monotonic() - self._load_timeout
         with self._done_cond:
             late = [j for j in self._pending_loads.values() if j.submitted < cutoff]
-        for job in late:
-            # A job copying into the KV tensors right now holds its lock for a few
-            # ms and then finishes normally: never wait for it here.
-            if not job.lock.acquire(blocking=False):
-                continue
-            try:
-                if job.reported:
-                    continue
-                self._finish_load_locked(
-                    job, dict.fromkeys((c.key for c in job.chunks), Status.TIMED_OUT)
-                )
-            finally:
-                job.lock.release()
+        # A job copying into the KV tensors right now holds its lock for a few ms and
+        # then finishes normally: never wait for it here.
+        for job in self._abandon(late, Status.TIMED_OUT, block=False):
             with self._stats_lock:
                 self._stats.loads_timed_out += 1
             logger.warning(
@@ -413,14 +403,23 @@ class TransferEngine:
         copy nothing. Direct loads cannot be abandoned. Returns how many."""
         with self._done_cond:
             jobs = list(self._pending_loads.values())
-        n = 0
+        return len(self._abandon(jobs, status, block=True))
+
+    def _abandon(self, jobs: Iterable[_Job], status: Status, block: bool) -> list[_Job]:
+        """Publish each of ``jobs`` not reported yet as failed with ``status``; those
+        it published. Without ``block``, a job holding its lock (copying) is skipped."""
+        out = []
         for job in jobs:
-            with job.lock:  # held only for a short copy into the KV tensors
+            if not job.lock.acquire(blocking=block):
+                continue
+            try:
                 if job.reported:
                     continue
                 self._finish_load_locked(job, dict.fromkeys((c.key for c in job.chunks), status))
-            n += 1
-        return n
+                out.append(job)
+            finally:
+                job.lock.release()
+        return out
 
     def stats(self) -> TransferStats:
         with self._stats_lock:

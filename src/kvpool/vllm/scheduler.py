@@ -88,11 +88,18 @@ class SchedulerSide:
 
     # -- lookups ---------------------------------------------------------------
 
+    def _chunk_hash(self, request: Any, k: int) -> bytes:
+        """Chunk ``k``'s name: its last block's hash, which covers the whole prefix."""
+        return bytes(request.block_hashes[(k + 1) * self.identity.blocks_per_chunk - 1])
+
+    def _hashed_chunks(self, request: Any) -> int:
+        """Chunks whose every block vLLM has hashed so far."""
+        return len(request.block_hashes) // self.identity.blocks_per_chunk
+
     def _hashes(self, request: Any) -> list[bytes]:
         """Chunk hashes of the request's known tokens, cut at the first suppressed one."""
-        m = self.identity.blocks_per_chunk
-        n = min(request.num_tokens // self.identity.chunk_size, len(request.block_hashes) // m)
-        hashes = [bytes(request.block_hashes[(i + 1) * m - 1]) for i in range(n)]
+        n = min(request.num_tokens // self.identity.chunk_size, self._hashed_chunks(request))
+        hashes = [self._chunk_hash(request, i) for i in range(n)]
         if self._suppressed:
             now = time.monotonic()
             self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
@@ -162,10 +169,7 @@ class SchedulerSide:
             req = state.request
             limit = req.num_tokens if self.settings.save_decode else req.num_prompt_tokens
             done = min(before.get(req_id, 0) + n, limit)
-            end = min(
-                done // self.identity.chunk_size,
-                len(req.block_hashes) // self.identity.blocks_per_chunk,
-            )
+            end = min(done // self.identity.chunk_size, self._hashed_chunks(req))
             if end > state.saved:
                 chunks = self._chunk_ops(state, state.saved, end)
                 meta.saves.append(RequestOps(req_id, chunks))
@@ -180,11 +184,10 @@ class SchedulerSide:
     def _chunk_ops(self, state: _Request, a: int, b: int) -> tuple[ChunkOp, ...]:
         ids = self.kv_cache_manager.get_block_ids(state.request.request_id)
         m = self.identity.blocks_per_chunk
-        hashes = state.request.block_hashes
         return tuple(
             ChunkOp(
                 k,
-                bytes(hashes[(k + 1) * m - 1]),  # a block hash covers its whole prefix
+                self._chunk_hash(state.request, k),
                 tuple(tuple(g[k * m : (k + 1) * m]) for g in ids),
             )
             for k in range(a, b)
@@ -193,10 +196,9 @@ class SchedulerSide:
     # -- KV events --------------------------------------------------------------------
 
     def _expect_stored(self, req: Any, chunks: tuple[ChunkOp, ...]) -> None:
-        n, m = self.identity.chunk_size, self.identity.blocks_per_chunk
-        hashes = req.block_hashes
+        n = self.identity.chunk_size
         for c in chunks:
-            parent = bytes(hashes[c.chunk * m - 1]) if c.chunk > 0 else None
+            parent = self._chunk_hash(req, c.chunk - 1) if c.chunk > 0 else None
             tokens = list(req.all_token_ids[c.chunk * n : (c.chunk + 1) * n])
             self._unstored.setdefault(c.chunk_hash, [0, tokens, parent, False])
             self._unstored.move_to_end(c.chunk_hash)

@@ -25,6 +25,8 @@
     master_metrics(url)          the master's Prometheus ``/metrics`` as {sample: value}
                                  (``parse_metrics(text)`` is the pure parser)
     master_keys(url)             every key the master knows (``/get_all_keys``)
+    wait_until(cond, timeout)    poll a condition on the pool (e.g. its key count)
+                                 against a deadline
     namespace_counts(keys)       keys grouped by kvpool namespace; others counted apart
     pool_status(pool)            one ``PoolStatus`` record for ``kvpool status``: processes,
                                  key count, bytes, clients, segments, namespaces;
@@ -68,7 +70,13 @@ from types import TracebackType
 from typing import Any, Self
 
 from kvpool.config import PoolConfig, read_pool_file
-from kvpool.errors import ConfigError, KeyFormatError, StoreMissingDependency, StoreUnavailable
+from kvpool.errors import (
+    ConfigError,
+    KeyFormatError,
+    KVPoolError,
+    StoreMissingDependency,
+    StoreUnavailable,
+)
 from kvpool.keys import parse_key
 
 __all__ = [
@@ -141,6 +149,19 @@ def _http_get(url: str, timeout: float) -> bytes:
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StoreUnavailable(f"cannot read {url}: {reason}") from None
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    """Poll ``cond`` until it is true or ``timeout`` seconds passed; whether it became
+    true. A pool that does not answer yet (``KVPoolError``, ``OSError``) is "not yet"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(KVPoolError, OSError):
+            if cond():
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
 
 
 def master_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:

@@ -17,16 +17,15 @@ import json
 import os
 import random
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.run import outputs_match, run_engine
+from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
-from kvpool.pool import LocalPool, master_metrics
+from kvpool.pool import LocalPool, master_metrics, wait_until
 
 __all__ = ["ConnectorRun", "EngineBench", "run_engine_bench"]
 
@@ -72,7 +71,7 @@ def _run_cold(
     """The cold engine, kept alive until its saves reached the pool (every
     connector saves in the background; an engine that exits at once loses the
     last prompt's saves, and its warm run then misses them)."""
-    chunks = len({tuple(p[: (i + 1) * 32]) for p in prompts for i in range(len(p) // 32)})
+    chunks = distinct_chunks(prompts)
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
     cold_spec = {**spec, "phases": [spec["prompts"]]}
@@ -82,12 +81,12 @@ def _run_cold(
     )
     with session:
         session.next_phase(timeout=900)
-        deadline = time.monotonic() + 60
         base = before.get("master_key_count", 0)
-        while time.monotonic() < deadline:  # the pool's own count, polled
-            if master_metrics(metrics_url).get("master_key_count", 0) - base >= chunks:
-                break
-            time.sleep(0.2)
+        wait_until(
+            lambda: master_metrics(metrics_url).get("master_key_count", 0) - base >= chunks,
+            60.0,
+            step=0.2,
+        )
         return session.finish(timeout=120)
 
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.demo.run import outputs_match
+from kvpool.demo.run import distinct_chunks, outputs_match
 from kvpool.demo.session import EngineFailed, EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import lookup_endpoint, parse_key
-from kvpool.pool import LocalPool, master_keys, master_metrics
+from kvpool.pool import LocalPool, master_keys, master_metrics, wait_until
 
 __all__ = ["ROWS", "ChaosContext", "Outcome", "Row", "RowFailed", "run_matrix", "run_row"]
 
@@ -106,8 +106,8 @@ class ChaosContext:
             stack.callback(pool.stop)
             seed_prompts = self.families[0] + self.families[1]
             self.run_engine(self.spec(pool, [seed_prompts]), "seed")
-            wanted = _chunks_of(seed_prompts)
-            _wait_for(lambda: len(master_keys(pool.metrics_url)) >= wanted, 30.0)
+            wanted = distinct_chunks(seed_prompts)
+            wait_until(lambda: len(master_keys(pool.metrics_url)) >= wanted, 30.0)
             with _raw_client(pool) as raw:
                 for key in master_keys(pool.metrics_url):
                     value = raw.get(key)
@@ -151,12 +151,7 @@ class ChaosContext:
 
     def run_engine(self, spec: dict[str, Any], name: str, **env: str) -> dict[str, Any]:
         """Run every phase of ``spec`` without interruption; the final result."""
-        with self.session(spec, name, **env) as s:
-            for _ in spec["phases"]:
-                s.next_phase()
-            result = s.finish()
-            result["log"] = s.log()
-            return result
+        return EngineSession.run(spec, self.workdir / "engines", name, env=env)
 
     def check_outputs(
         self, results: Sequence[dict[str, Any]], prompts: Sequence[Sequence[int]]
@@ -208,27 +203,6 @@ class RowEnv:
 # -- helpers ----------------------------------------------------------------------
 
 
-def _chunks_of(prompts: Sequence[Sequence[int]], chunk: int = 32) -> int:
-    """Distinct full chunks among ``prompts`` (prefix-shared chunks count once)."""
-    seen = set()
-    for p in prompts:
-        for i in range(len(p) // chunk):
-            seen.add(tuple(p[: (i + 1) * chunk]))
-    return len(seen)
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
-    """Poll ``cond`` until true or ``timeout``; whether it became true."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(KVPoolError, OSError):
-            if cond():
-                return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(step)
-
-
 @contextlib.contextmanager
 def _raw_client(pool: LocalPool) -> Iterator[Any]:
     """A plain Mooncake client of ``pool`` (bytes in, bytes out), closed afterwards."""
@@ -248,9 +222,13 @@ def _count(log: str, needle: str) -> int:
     return sum(1 for line in log.splitlines() if needle in line)
 
 
+def _counts(by_cause: dict[str, int] | None) -> str:
+    """``{"missing": 2, "corrupt": 1}`` -> "1 corrupt, 2 missing" ("none" if empty)."""
+    return ", ".join(f"{n} {cause}" for cause, n in sorted((by_cause or {}).items())) or "none"
+
+
 def _failures(stats: dict[str, Any]) -> str:
-    f = stats.get("failures") or {}
-    return ", ".join(f"{n} {cause}" for cause, n in sorted(f.items())) or "none"
+    return _counts(stats.get("failures"))
 
 
 def _run_until_saved(
@@ -261,7 +239,7 @@ def _run_until_saved(
     t0 = time.monotonic()
     for _ in range(phases):
         s.next_phase()
-        if _wait_for(lambda: bool(set(master_keys(pool.metrics_url)) - before), 3.0):
+        if wait_until(lambda: bool(set(master_keys(pool.metrics_url)) - before), 3.0):
             break
     new = set(master_keys(pool.metrics_url)) - before
     return len(new), time.monotonic() - t0
@@ -291,7 +269,7 @@ def _master_restart(ctx: ChaosContext, env: RowEnv) -> str:
         raise RowFailed(f"the seeded prefix was not loaded before the fault ({hit} tokens)")
     if not new:
         raise RowFailed("no save reached the restarted master")
-    causes = ", ".join(f"{n} {c}" for c, n in sorted(misses.items())) or "none"
+    causes = _counts(misses)
     return (
         f"before: {hit} tokens from the pool; master down: outputs equal, lookups that "
         f"failed: {causes}, {_count(log, 'pool put failed')} put back-offs; restarted: "
@@ -395,7 +373,7 @@ def _evicted_before_load(ctx: ChaosContext, env: RowEnv) -> str:
     if not 1 <= failed <= len(prompts):
         raise RowFailed(f"{failed} failed loads for {len(prompts)} prompts")
     # B saved what it recomputed: the keys are back.
-    if not _wait_for(lambda: set(ctx.seed) <= set(master_keys(pool.metrics_url)), 10.0):
+    if not wait_until(lambda: set(ctx.seed) <= set(master_keys(pool.metrics_url)), 10.0):
         raise RowFailed("the recomputed chunks were not saved again")
     return f"{failed} load(s) found nothing and were recomputed; the chunks were saved again"
 
@@ -435,7 +413,7 @@ def _rewritten_objects(
     with _raw_client(pool) as raw:
         good = sum(raw.get(k) == ctx.seed[k] for k in bad)
         left = sum(raw.get(k) == v for k, v in bad.items())
-    if good < _chunks_of(prompts[:1]) * 2:
+    if good < distinct_chunks(prompts[:1]) * 2:
         raise RowFailed(f"only {good} of {len(bad)} bad objects were replaced by good ones")
     return (
         f"{failed} load(s) rejected as corrupt and recomputed; {good} of {len(bad)} bad "
@@ -533,7 +511,7 @@ def _lookup_slow(ctx: ChaosContext, env: RowEnv) -> str:
     misses = b["connector"].get("lookup_failures") or {}
     if not misses:
         raise RowFailed("no lookup ran into its deadline")
-    causes = ", ".join(f"{n} {c}" for c, n in sorted(misses.items()))
+    causes = _counts(misses)
     return f"lookups answered as misses at their 50 ms deadline ({causes}); outputs equal"
 
 
@@ -577,7 +555,7 @@ def _lookup_stopped(ctx: ChaosContext, env: RowEnv) -> str:
             server = LookupServer(endpoint, store, layout, space, 32)
             server.start()
             after = 0
-            if not _wait_for(lambda: client.lookup("r2", hashes, 32 * 9) > 0, 10.0):
+            if not wait_until(lambda: client.lookup("r2", hashes, 32 * 9) > 0, 10.0):
                 raise RowFailed("the client never found the restarted server")
             after = client.lookup("r3", hashes, 32 * 9)
             server.close()
@@ -608,7 +586,7 @@ def _lease(ctx: ChaosContext, env: RowEnv) -> str:
         (plain,) = store.batch_remove(["chaos/a"])
         (forced,) = store.batch_remove(["chaos/b"], force=True)
         t0 = time.monotonic()
-        ok = _wait_for(lambda: store.batch_remove(["chaos/a"])[0] is Status.OK, 10.0)
+        ok = wait_until(lambda: store.batch_remove(["chaos/a"])[0] is Status.OK, 10.0)
         waited = time.monotonic() - t0
     if plain is not Status.LEASED or forced is not Status.OK or not ok:
         raise RowFailed(f"remove under lease: {plain}, forced: {forced}, later: {ok}")
@@ -644,7 +622,7 @@ def _engine_killed(ctx: ChaosContext, env: RowEnv) -> str:
     ctx.check_outputs(b["results"], prompts)
     if b["connector"].get("failures"):
         raise RowFailed(f"the restarted engine failed loads: {b['connector']['failures']}")
-    if not _wait_for(lambda: len(master_keys(pool.metrics_url)) >= _chunks_of(prompts), 10.0):
+    if not wait_until(lambda: len(master_keys(pool.metrics_url)) >= distinct_chunks(prompts), 10.0):
         raise RowFailed("the restarted engine's saves did not land")
     return (
         f"killed with saves queued ({left} objects had landed); the restarted engine "

@@ -13,20 +13,25 @@ stopped at the end, also on failure.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.demo.session import EngineFailed, EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, master_metrics
 
-__all__ = ["DemoReport", "RequestRow", "outputs_match", "run_demo", "run_engine", "workload"]
+__all__ = [
+    "DemoReport",
+    "RequestRow",
+    "distinct_chunks",
+    "outputs_match",
+    "run_demo",
+    "run_engine",
+    "workload",
+]
 
 # vLLM's own prefix cache moves decode logprobs in the 6th decimal on these models
 # (a prompt run twice in one engine: -5.695924 cold, -5.695923 with a local hit),
@@ -98,31 +103,22 @@ def workload(
     return out
 
 
+def distinct_chunks(prompts: Sequence[Sequence[int]], chunk: int = 32) -> int:
+    """Distinct full chunks among ``prompts`` (prefix-shared chunks count once): the
+    objects a TP=1 engine with one KV group saves for them."""
+    return len({tuple(p[: (i + 1) * chunk]) for p in prompts for i in range(len(p) // chunk)})
+
+
 def run_engine(spec: dict[str, Any], path: Path, phase: str, progress: Progress) -> dict[str, Any]:
-    path.write_text(json.dumps(spec))
+    """Run one engine over ``spec``'s prompts (spec at ``path``, log beside it)."""
     total = len(spec["prompts"])
     progress(phase, 0, total)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.demo.engine", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ),
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    result = None
-    for line in proc.stdout:
-        if line.startswith("KVPOOL-PROGRESS "):
-            progress(phase, int(line.split()[1]), total)
-        elif line.startswith("KVPOOL-RESULT "):
-            result = json.loads(line.removeprefix("KVPOOL-RESULT "))
-    err = proc.stderr.read()
-    proc.wait()
-    path.with_suffix(".log").write_text(err)
-    if result is None:
-        tail = "\n".join(err.splitlines()[-15:])
-        raise RuntimeError(f"the {phase} engine failed (exit {proc.returncode}):\n{tail}")
-    return dict(result)
+    try:
+        return EngineSession.run(
+            spec, path.parent, path.stem, on_progress=lambda n: progress(phase, n, total)
+        )
+    except EngineFailed as exc:
+        raise EngineFailed(f"the {phase} engine failed: {exc}") from None
 
 
 def run_demo(

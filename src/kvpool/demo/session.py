@@ -9,6 +9,8 @@
     session.finish(timeout)         let it end (no more phases); the final result
     session.kill()                  SIGKILL (an engine that crashes or is restarted)
     session.log()                   its stderr so far
+    EngineSession.run(spec, ...)    start, run every phase (or the prompts) straight
+                                    through, finish: the result, with ``"log"``
 
 Lines from the engine are read on a thread into a queue; every wait is on that
 queue with a deadline, and an engine that dies raises ``EngineFailed`` with the
@@ -77,6 +79,24 @@ class EngineSession:
         session._held = bool(spec.get("hold"))
         return session
 
+    @classmethod
+    def run(
+        cls,
+        spec: dict[str, Any],
+        workdir: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Run ``spec`` without interruption; its result, with the engine's stderr
+        as ``"log"``. Waits as long as the engine lives."""
+        with cls.start(spec, workdir, name, env, on_progress) as session:
+            for _ in spec.get("phases", ()):
+                session.next_phase(timeout=None)
+            result = session.finish(timeout=None)
+            result["log"] = session.log()
+            return result
+
     def _read(self, stream: IO[str]) -> None:
         for line in stream:
             if line.startswith("KVPOOL-PROGRESS ") and self._on_progress is not None:
@@ -85,13 +105,13 @@ class EngineSession:
                 self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
-    def _expect(self, prefix: str, timeout: float) -> str:
+    def _expect(self, prefix: str, timeout: float | None) -> str:
         try:
             line = self._lines.get(timeout=timeout)
             while line is not None and not line.startswith(prefix):
                 line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise EngineFailed(f"no {prefix!r} from the engine within {timeout:.0f} s") from None
+            raise EngineFailed(f"no {prefix!r} from the engine within {timeout} s") from None
         if line is None:
             self._proc.wait()
             tail = "\n".join(self.log().splitlines()[-15:])
@@ -109,14 +129,14 @@ class EngineSession:
     def ready(self, timeout: float = 300.0) -> None:
         self._expect("KVPOOL-READY", timeout)
 
-    def next_phase(self, timeout: float = 300.0) -> dict[str, Any]:
+    def next_phase(self, timeout: float | None = 300.0) -> dict[str, Any]:
         if self._phase > 0 or self._held:
             self._send()
         out: dict[str, Any] = json.loads(self._expect(f"KVPOOL-PHASE {self._phase} ", timeout))
         self._phase += 1
         return out
 
-    def finish(self, timeout: float = 300.0) -> dict[str, Any]:
+    def finish(self, timeout: float | None = 300.0) -> dict[str, Any]:
         """Skip the phases left; the engine prints its result and exits."""
         assert self._proc.stdin is not None
         self._proc.stdin.close()

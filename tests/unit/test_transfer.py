@@ -364,3 +364,97 @@ def test_wait_any_wakes_on_a_finished_job_and_times_out_without_one(store: KVSto
     assert eng.wait_any(10.0) is True
     assert [r.job_id for r in eng.poll()] == ["s"]
     eng.close()
+
+
+def _object_bytes(layers: list[tuple[str, torch.Tensor]], blocks: int) -> int:
+    return describe_group(layers, NB).object_nbytes(blocks)
+
+
+def test_saves_and_staged_loads_move_in_pieces_bit_exact(store: KVStore) -> None:
+    """Jobs larger than ``piece_bytes`` go in several puts and gets; two groups mixed."""
+    src_a, src_b = cpu_layers(2), mla_layers(1)
+    randomize(src_a, 11)
+    randomize(src_b, 12)
+    chunks = [
+        ChunkRef(f"p{g}c{i}", g, i, (2 * i + g, 2 * i + g + 1)) for i in range(7) for g in (0, 1)
+    ]
+    piece = 2 * _object_bytes(src_a, 2)  # about two chunks per piece
+    calls: list[tuple[str, int]] = []
+
+    class Counting(MemoryStore):
+        def _put(self, keys, segments):  # type: ignore[no-untyped-def]
+            calls.append(("put", len(keys)))
+            return super()._put(keys, segments)
+
+        def _get(self, keys, segments):  # type: ignore[no-untyped-def]
+            calls.append(("get", len(keys)))
+            return super()._get(keys, segments)
+
+    counting = Counting(capacity=1 << 28)
+    e = TransferEngine(counting, [src_a, src_b], NB, staging_bytes=16 << 20, piece_bytes=piece)
+    assert e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.close()
+    puts = [n for op, n in calls if op == "put"]
+    assert len(puts) > 3 and sum(puts) == len(chunks)
+    dst_a, dst_b = cpu_layers(2), mla_layers(1)
+    r = TransferEngine(
+        counting, [dst_a, dst_b], NB, staging_bytes=16 << 20, load_mode="staged", piece_bytes=piece
+    )
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.ok
+    gets = [n for op, n in calls if op == "get"]
+    assert len(gets) > 3 and sum(gets) == len(chunks)
+    for src, dst, blocks in ((src_a, dst_a, slice(0, 14)), (src_b, dst_b, slice(1, 15))):
+        for (_, a), (_, b) in zip(src, dst, strict=True):
+            assert torch.equal(a[blocks], b[blocks])
+
+
+def test_a_failed_chunk_in_a_middle_piece_stops_the_copy_there(store: KVStore) -> None:
+    src = cpu_layers(2)
+    randomize(src, 13)
+    chunks = [ChunkRef(f"m{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(8)]
+    piece = 2 * _object_bytes(src, 2)  # pieces of chunks 0-1, 2-3, 4-5, 6-7
+    e = engine(store, src, piece_bytes=piece)
+    e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.close()
+    assert store.batch_remove(["m3"], force=True) == [Status.OK]
+    dst = cpu_layers(2)
+    for _, t in dst:
+        t.fill_(-1.0)
+    r = engine(store, dst, load_mode="staged", piece_bytes=piece)
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.statuses["m3"] is Status.MISSING
+    assert res.invalid_block_ids == frozenset(range(6, 16))
+    for (_, a), (_, b) in zip(src, dst, strict=True):
+        assert torch.equal(a[:6], b[:6])  # chunks 0-2 arrived, across two pieces
+        assert bool((b[6:16] == -1.0).all())  # chunk 3 and the later pieces: untouched
+    assert r._arena.used == 0  # every piece's staging was given back
+
+
+def test_a_failed_staging_copy_refuses_the_save_and_frees_staging(store: KVStore) -> None:
+    src = cpu_layers(1)
+    e = engine(store, src, piece_bytes=_object_bytes(src, 1))
+    gathered: list[int] = []
+    real_gather = e._gather
+
+    def failing(chunks, offsets):  # type: ignore[no-untyped-def]
+        if gathered:
+            raise RuntimeError("injected")
+        gathered.append(len(chunks))
+        real_gather(chunks, offsets)
+
+    e._gather = failing  # type: ignore[method-assign]
+    chunks = [ChunkRef(f"f{i}", 0, i, (i,)) for i in range(3)]
+    assert not e.submit_save("s", chunks)
+    (res,) = e.wait(["s"], timeout=30)
+    assert res.skipped == 2 and list(res.statuses) == ["f0"]  # the first piece was put
+    assert e.stats().saves_refused["staging_error"] == 1
+    assert e._arena.used == 0
+    e.close()
+    assert store.batch_exists(["f0", "f1", "f2"]) == [Status.OK, Status.MISSING, Status.MISSING]

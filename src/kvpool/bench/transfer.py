@@ -6,8 +6,9 @@
     measure_hook_overhead(config)   per-step CPU cost of the worker hooks when
                                     there is nothing to load or save
 
-For each path (``tcp``: ``MooncakeStore(shared_memory=False)``, direct loads into
-the KV tensors; ``shm``: ``shared_memory=True``, staged loads) and object size,
+For each path (``tcp``: ``MooncakeStore(shared_memory=False)``; ``shm``:
+``shared_memory=True``), with staged loads as the vLLM connector runs them
+(``load_mode="auto"``: verified in staging, then copied in), and object size,
 two KV caches are built in vLLM's CPU layout (one contiguous float32
 allocation; per layer a view ``[num_blocks, 2, block_size, kv_heads*head_size]``;
 a chunk object is one block over all layers). Every repeat saves ``total //
@@ -434,7 +435,9 @@ def _bench_size(
             raw_store.register_memory(dst.base, dst.nbytes)
         saver = TransferEngine(framed, [src.layers], objects, staging_bytes=staging_bytes)
         stack.callback(saver.close)
-        loader = TransferEngine(framed, [dst.layers], objects, staging_bytes=staging_bytes)
+        loader = TransferEngine(
+            framed, [dst.layers], objects, staging_bytes=staging_bytes, load_mode="staged"
+        )
         stack.callback(loader.close)
         transport = "shared memory" if inner.shared_memory else config.protocol
         for rep in range(repeats + 1):  # repeat 0 warms up and verifies; not counted

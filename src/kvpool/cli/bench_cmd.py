@@ -579,7 +579,7 @@ def _have_matplotlib() -> bool:
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1, max=128))
 @click.option(
     "--paths", "paths", default=",".join(TRANSFER_PATHS), show_default=True, callback=_paths,
-    help="tcp (direct loads) and/or shm (same-host shared memory, staged loads).",
+    help="tcp (loopback TCP) and/or shm (same-host shared memory); loads are staged.",
 )  # fmt: skip
 @click.option(
     "--hook-steps", default=10_000, show_default=True, type=click.IntRange(min=0),

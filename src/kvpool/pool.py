@@ -87,6 +87,7 @@ __all__ = [
     "NamespaceCount",
     "NamespaceSummary",
     "PoolStatus",
+    "completed_puts",
     "find_binary",
     "is_mooncake_process",
     "master_keys",
@@ -174,6 +175,20 @@ def master_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:
     """
     text = _http_get(_endpoint(metrics_url, "/metrics"), timeout).decode("utf-8", "replace")
     return parse_metrics(text)
+
+
+def completed_puts(metrics: dict[str, float]) -> float:
+    """Objects whose put finished (PutEnd succeeded), from ``master_metrics``.
+
+    ``master_key_count`` also counts objects whose put has only started: a
+    client that exits before PutEnd leaves keys that no reader ever finds.
+    """
+    return (
+        metrics.get("master_put_end_requests_total", 0.0)
+        - metrics.get("master_put_end_failures_total", 0.0)
+        + metrics.get("master_batch_put_end_items_total", 0.0)
+        - metrics.get("master_batch_put_end_failed_items_total", 0.0)
+    )
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -21,6 +21,7 @@ from kvpool.cli.pool_cmd import (
 from kvpool.pool import (
     LocalPool,
     PoolStatus,
+    completed_puts,
     namespace_counts,
     parse_metrics,
     segment_capacities,
@@ -53,6 +54,18 @@ def test_parse_metrics() -> None:
     assert m['weird{label="a b"}'] == 3
     assert "not" not in m and not any(k.startswith("#") for k in m)
     assert segment_capacities(m) == {"127.0.0.1:13047": 268435456, "127.0.0.1:14000": 1 << 30}
+
+
+def test_completed_puts_count_finished_puts_not_started_ones() -> None:
+    m = {
+        "master_key_count": 9,  # 2 of them still between PutStart and PutEnd
+        "master_put_end_requests_total": 3,
+        "master_put_end_failures_total": 1,
+        "master_batch_put_end_items_total": 6,
+        "master_batch_put_end_failed_items_total": 1,
+    }
+    assert completed_puts(m) == 7
+    assert completed_puts({}) == 0
 
 
 def test_namespace_counts() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
-from kvpool.pool import LocalPool, master_metrics, wait_until
+from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 
 __all__ = ["ConnectorRun", "EngineBench", "run_engine_bench"]
 
@@ -68,9 +68,10 @@ def _run_cold(
     before: dict[str, float],
     prompts: list[list[int]],
 ) -> dict[str, Any]:
-    """The cold engine, kept alive until its saves reached the pool (every
+    """The cold engine, kept alive until its saves completed in the pool (every
     connector saves in the background; an engine that exits at once loses the
-    last prompt's saves, and its warm run then misses them)."""
+    last prompt's saves, and its warm run then misses them). Completed, not
+    merely counted: the master counts a key from the start of its put."""
     chunks = distinct_chunks(prompts)
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
@@ -81,9 +82,9 @@ def _run_cold(
     )
     with session:
         session.next_phase(timeout=900)
-        base = before.get("master_key_count", 0)
+        base = completed_puts(before)
         wait_until(
-            lambda: master_metrics(metrics_url).get("master_key_count", 0) - base >= chunks,
+            lambda: completed_puts(master_metrics(metrics_url)) - base >= chunks,
             60.0,
             step=0.2,
         )

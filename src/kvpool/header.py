@@ -182,23 +182,58 @@ def _row_sums(
         if rows.nbytes < _PARALLEL_BYTES or len(rows) < 2 or (os.cpu_count() or 1) < 2:
             out: npt.NDArray[np.uint64] = np.dot(rows, weights)
             return out
-        if _POOL is None:
-            with _POOL_LOCK:
-                if _POOL is None:
-                    _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvpool-checksum")
         half = len(rows) // 2
-        first = _POOL.submit(np.dot, rows[:half], weights)
+        first = _helper().submit(np.dot, rows[:half], weights)
         rest = np.dot(rows[half:], weights)
         return np.concatenate([first.result(), rest])
 
 
+def _aligned(payload: Sequence[tuple[int, int]]) -> bool:
+    return all((a | n) % 8 == 0 for a, n in payload)
+
+
+def _span_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """``payload_checksum`` of 8-byte aligned multi-segment payloads (one segment per
+    layer of a KV block, say) through one word view spanning them all: per segment a
+    slice and a dot product, no ctypes array per segment (several times faster)."""
+    lo = min(a for p in payloads for a, n in p if n)
+    hi = max(a + n for p in payloads for a, n in p if n)
+    words = np.ctypeslib.as_array((ctypes.c_uint64 * ((hi - lo) // 8)).from_address(lo))
+    weights = _weights(max(sum(n for _, n in p) // 8 for p in payloads))
+    out = []
+    for payload in payloads:  # integer dot products do not overflow-check
+        total, pos = 0, 0
+        for addr, size in payload:
+            n, first = size // 8, (addr - lo) // 8
+            total += int(np.dot(words[first : first + n], weights[pos : pos + n]))
+            pos += n
+        out.append(total % (1 << 64))
+    return out
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvpool-checksum")
+    return _POOL
+
+
 def batch_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
     """``payload_checksum`` of each payload; runs of one-segment payloads of one size
-    at a constant stride (objects back to back in staging) take one matrix product."""
+    at a constant stride (objects back to back in staging) take one matrix product,
+    runs of aligned multi-segment payloads one shared word view."""
     out: list[int] = []
     i = 0
     while i < len(payloads):
         j = i + 1
+        if len(payloads[i]) > 1 and _aligned(payloads[i]):
+            while j < len(payloads) and len(payloads[j]) > 1 and _aligned(payloads[j]):
+                j += 1
+            out += _span_checksums(payloads[i:j])
+            i = j
+            continue
         if len(payloads[i]) == 1:
             (addr, size), stride = payloads[i][0], None
             while (

@@ -158,6 +158,8 @@ class GroupKV:
     def segments(self, block_ids: np.ndarray) -> list[list[tuple[int, int]]]:
         """Scatter lists ``[(address, length)]`` per object, adjacent rows merged."""
         ids = np.asarray(block_ids, dtype=np.int64)
+        if len(self.regions) == 1 and ids.ndim == 2 and ids.size:
+            return self._segments_one_region(ids)
         out = []
         for obj in range(ids.shape[0]):
             segs: list[tuple[int, int]] = []
@@ -173,6 +175,24 @@ class GroupKV:
                     for s, e in zip(starts, ends, strict=True)
                 )
             out.append(segs)
+        return out
+
+    def _segments_one_region(self, ids: np.ndarray) -> list[list[tuple[int, int]]]:
+        """``segments`` for all objects at once (one allocation: the common case)."""
+        ((region, flat),) = self.rows(ids)
+        reg = self.regions[region]
+        n = ids.shape[0]
+        rows = flat.reshape(n, -1)
+        start = np.ones(rows.shape, dtype=np.bool_)  # a segment starts here
+        start[:, 1:] = np.diff(rows, axis=1) != 1  # every object's first row starts one
+        first = np.flatnonzero(start)
+        lengths = (np.append(first[1:], rows.size) - first) * reg.row_bytes
+        addrs = (reg.base + rows.reshape(-1)[first] * reg.row_bytes).tolist()
+        sizes = lengths.tolist()
+        out, pos = [], 0
+        for count in start.sum(axis=1).tolist():
+            out.append(list(zip(addrs[pos : pos + count], sizes[pos : pos + count], strict=True)))
+            pos += count
         return out
 
 

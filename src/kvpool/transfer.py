@@ -26,11 +26,18 @@ tensors. Smaller pieces would overlap more but cost Mooncake ~0.4 ms per call.
     close()                        stop the threads after the queued jobs (staging
                                    memory belongs to the store and goes with it)
 
+Zero copy (``zero_copy=True``): the store moves bytes straight between the KV
+tensors and the pool, with no staging copy. The KV tensors must lie in memory
+the store reaches (``KVStore.reaches``; on Mooncake's shared-memory path, memory
+from ``alloc_staging``, see ``kvpool.placement``). Loads are direct, so they
+have no deadline, and a save reads its blocks until its job finished: the
+caller must not let them be overwritten before (``wait``).
+
 Guarantees:
 
 * A save reads KV blocks only inside ``submit_save``: once it returns, the blocks
   may be freed and reused by another request; the pool still gets the bytes they
-  held at submit time (or nothing).
+  held at submit time (or nothing). Zero copy: until the job finished instead.
 * A load job reports, in ``JobResult.invalid_block_ids``, the blocks of every chunk
   that failed (missing, evicted, leased, corrupt, transfer failure) and of every
   later chunk of the job, so the engine recomputes exactly those.
@@ -49,7 +56,8 @@ Guarantees:
 
 The caller decides which chunks this rank writes (``layout.Layout.writes``);
 chunks whose keys were stored (or loaded) recently are skipped without a store
-round trip, the rest are checked with one ``batch_exists`` before the put.
+round trip, the rest are checked with one ``batch_exists`` before the put (not
+in zero copy: there a duplicate put reports OK, or EXISTS where the store tells).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ import numpy as np
 import torch
 
 from kvpool.kvcache import GroupKV, describe_group
-from kvpool.store.base import KVStore, Status
+from kvpool.store.base import KVStore, Segment, Status
 
 __all__ = ["ChunkRef", "JobResult", "StagingArena", "TransferEngine", "TransferStats"]
 
@@ -255,15 +263,29 @@ class TransferEngine:
         backoff_s: tuple[float, float] = (1.0, 30.0),
         load_timeout_s: float | None = None,
         piece_bytes: int = PIECE_BYTES,
+        zero_copy: bool = False,
     ) -> None:
         if piece_bytes < 1:
             raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
         self.store = store
         self.piece_bytes = piece_bytes
-        # Stores that move bytes only through their own buffers (Mooncake's
-        # same-host shared memory) cannot reach the KV tensors: stage loads too.
-        self.load_mode = "staged" if store.requires_staging else load_mode
         self.groups: list[GroupKV] = [describe_group(g, num_blocks) for g in groups]
+        self.zero_copy = zero_copy
+        if zero_copy:
+            away = [r for spec in self.groups for r in spec.regions
+                    if not store.reaches(r.base, r.nbytes)]  # fmt: skip
+            if away:
+                raise ValueError(
+                    f"zero_copy: {len(away)} KV allocation(s) lie outside the store's "
+                    "memory; place them with kvpool.placement.place_kv first"
+                )
+        # Stores that move bytes only through their own buffers (Mooncake's
+        # same-host shared memory) cannot reach the KV tensors: stage loads too,
+        # unless the KV tensors were placed in the store's memory (zero copy).
+        if zero_copy:
+            self.load_mode: str = "direct"
+        else:
+            self.load_mode = "staged" if store.requires_staging else load_mode
         # Views of each distinct allocation as (rows, row_bytes / w) of the widest
         # integer type w dividing the row: indexed copies of bytes are several
         # times slower than of 8-byte words.
@@ -282,7 +304,9 @@ class TransferEngine:
                     store.register_memory(region.base, region.nbytes)
                     registered.add(region.base)
             self._views.append(views)
-        if staging is None:  # registered memory from the store (shared with the holder)
+        if zero_copy:  # nothing is staged
+            staging = torch.empty(0, dtype=torch.uint8)
+        elif staging is None:  # registered memory from the store (shared with the holder)
             staging = torch.from_numpy(store.alloc_staging(staging_bytes))
         else:
             store.register_memory(int(staging.data_ptr()), staging.numel())
@@ -342,6 +366,14 @@ class TransferEngine:
             return True
         if time.monotonic() < self._pressure_until:
             return self._refuse(job, "backpressure")
+        if self.zero_copy:  # put straight from the KV tensors
+            job.pieces = self._pieces(job.chunks)
+            job.staged = len(job.chunks)
+            try:
+                self._save_q.put_nowait(job)
+            except queue.Full:
+                return self._refuse(job, "queue_full")
+            return True
         offsets, total = self._place(job.chunks)
         start = self._arena.alloc(total)
         if start is None:
@@ -557,6 +589,21 @@ class TransferEngine:
             else:
                 view.index_copy_(0, rows, src)
 
+    def _kv_segments(self, chunks: Sequence[ChunkRef]) -> list[list[Segment]]:
+        """Per chunk, its object's scatter list in the KV tensors themselves (one
+        vectorised call per run of chunks of one group and block count)."""
+        out: list[list[Segment]] = []
+        i = 0
+        while i < len(chunks):
+            g, n = chunks[i].group, len(chunks[i].block_ids)
+            j = i
+            while j < len(chunks) and chunks[j].group == g and len(chunks[j].block_ids) == n:
+                j += 1
+            ids = np.array([c.block_ids for c in chunks[i:j]], dtype=np.int64)
+            out += self.groups[g].segments(ids)
+            i = j
+        return out
+
     def _pieces(self, chunks: Sequence[ChunkRef]) -> list[tuple[int, int]]:
         """``chunks`` cut into ranges of about ``piece_bytes`` (at least one chunk each):
         the units a save is put in and a staged load is fetched and copied in.
@@ -599,8 +646,13 @@ class TransferEngine:
         """Put each piece once the caller has staged it; chunks that exist are skipped.
 
         The job was queued before its gather began, so the exists check overlaps it.
+        Zero-copy saves skip the check: nothing would hide its round trip (20 % of a
+        save on shared memory), and Mooncake moves no bytes for a duplicate put.
         """
-        job.exists = self.store.batch_exists([c.key for c in job.chunks])
+        if self.zero_copy:
+            job.exists = [Status.MISSING] * len(job.chunks)
+        else:
+            job.exists = self.store.batch_exists([c.key for c in job.chunks])
         statuses: dict[str, Status] = {}
         put: list[Status] = []
         nbytes = 0
@@ -618,9 +670,13 @@ class TransferEngine:
                 continue
             keys = [job.chunks[i].key for i in todo]
             sizes = [self._object_nbytes(job.chunks[i]) for i in todo]
-            segs = [
-                [(self._staging_base + job.offsets[i], n)] for i, n in zip(todo, sizes, strict=True)
-            ]
+            if self.zero_copy:
+                segs = self._kv_segments([job.chunks[i] for i in todo])
+            else:
+                segs = [
+                    [(self._staging_base + job.offsets[i], n)]
+                    for i, n in zip(todo, sizes, strict=True)
+                ]
             got = self.store.batch_put(keys, segs)
             for key, n, st in zip(keys, sizes, got, strict=True):
                 statuses[key] = st
@@ -660,11 +716,7 @@ class TransferEngine:
             self._finish_load(job, {})
             return
         if self.load_mode == "direct":
-            segs = []
-            for c in job.chunks:
-                ids = np.array([c.block_ids], dtype=np.int64)
-                segs.append(self.groups[c.group].segments(ids)[0])
-            got = self.store.batch_get(keys, segs)
+            got = self.store.batch_get(keys, self._kv_segments(job.chunks))
             self._settle_load(job, dict(zip(keys, got, strict=True)))
             return
         offsets, total = self._place(job.chunks)

@@ -458,3 +458,42 @@ def test_a_failed_staging_copy_refuses_the_save_and_frees_staging(store: KVStore
     assert e._arena.used == 0
     e.close()
     assert store.batch_exists(["f0", "f1", "f2"]) == [Status.OK, Status.MISSING, Status.MISSING]
+
+
+class _StagingOnly(MemoryStore):
+    """A store that, like Mooncake's shared-memory client, reaches only its own memory."""
+
+    @property
+    def requires_staging(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_zero_copy_round_trip_from_kv_placed_in_store_memory(kind: str) -> None:
+    from kvpool.placement import place_kv
+
+    store = _StagingOnly(capacity=1 << 28)
+    src, dst = LAYOUTS[kind](3), LAYOUTS[kind](3)
+    randomize(src, 21)
+    randomize(dst, 22)
+    with pytest.raises(ValueError, match="outside the store's memory"):
+        engine(store, src, zero_copy=True)
+    place_kv([src], store.alloc_staging)
+    place_kv([dst], store.alloc_staging)
+    saved_from = blocks_of(src, [1, 2, 3, 4])
+    chunks = [ChunkRef(f"z{i}", 0, i, (2 * i + 1, 2 * i + 2)) for i in range(2)]
+    w = engine(store, src, zero_copy=True)
+    assert w.zero_copy and w.load_mode == "direct"
+    assert w.submit_save("s", chunks)
+    (res,) = w.wait(["s"], timeout=30)
+    w.close()
+    assert res.ok and res.nbytes == 2 * _object_bytes(src, 2)
+    r = engine(store, dst, zero_copy=True)
+    r.submit_load("l", [ChunkRef(c.key, 0, c.chunk, (30 + c.chunk, 40 + c.chunk)) for c in chunks])
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.ok
+    got = blocks_of(dst, [30, 40, 31, 41])
+    for a, b in zip(saved_from, got, strict=True):
+        assert torch.equal(a, b)
+    store.close()

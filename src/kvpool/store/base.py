@@ -19,6 +19,7 @@ order). No layout, tensor or Mooncake type crosses it.
     unregister_memory(addr)       undo it
     alloc_staging(nbytes)         a buffer usable in any segment of this store, alive
                                   until ``close`` (required where ``requires_staging``)
+    reaches(addr, nbytes)         whether segments there can be moved at all
     health()                      True while the store can serve requests
     close()                       release everything; idempotent; afterwards every
                                   call reports UNAVAILABLE per key
@@ -254,6 +255,16 @@ class KVStore(abc.ABC):
         self.register_memory(buf.ctypes.data, nbytes)
         self._staging.append(buf)
         return buf
+
+    def reaches(self, addr: int, nbytes: int) -> bool:
+        """Can segments in ``[addr, addr + nbytes)`` be moved (once registered)? Where
+        ``requires_staging``, only memory from this store's ``alloc_staging`` can."""
+        if not self.requires_staging:
+            return True
+        return any(
+            b.ctypes.data <= addr and addr + nbytes <= b.ctypes.data + b.nbytes
+            for b in self._staging
+        )
 
     def health(self) -> bool:
         """True while the store can serve requests. Must not raise."""

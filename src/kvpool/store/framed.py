@@ -108,6 +108,9 @@ class FramedStore(KVStore):
         self._check_open()
         return self.inner.alloc_staging(nbytes)
 
+    def reaches(self, addr: int, nbytes: int) -> bool:
+        return self.inner.reaches(addr, nbytes)
+
     def unregister_memory(self, addr: int) -> None:
         if not self.closed:
             self.inner.unregister_memory(addr)

@@ -273,7 +273,9 @@ class MooncakeStore(KVStore):
             rc = store.register_buffer(addr, nbytes)
         if rc != 0:
             raise StoreError(f"Mooncake refused to register its own shared memory (code {rc})")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+        buf = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+        self._staging.append(buf)  # what ``reaches`` answers from
+        return buf
 
     def unregister_memory(self, addr: int) -> None:
         with self._using() as store:
@@ -459,14 +461,18 @@ def _split(segments: Sequence[Segments]) -> tuple[list[list[int]], list[list[int
     """
     all_ptrs, all_sizes = [], []
     for segs in segments:
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for addr, size in segs:
-            if ptrs and ptrs[-1] + sizes[-1] == addr:
-                sizes[-1] += size
-            elif size:
-                ptrs.append(addr)
-                sizes.append(size)
+        ptrs = [a for a, n in segs if n]
+        sizes = [n for _, n in segs if n]
+        if any(a + n == b for a, n, b in zip(ptrs, sizes, ptrs[1:], strict=False)):  # merge
+            merged_p: list[int] = []
+            merged_s: list[int] = []
+            for addr, size in zip(ptrs, sizes, strict=True):
+                if merged_p and merged_p[-1] + merged_s[-1] == addr:
+                    merged_s[-1] += size
+                else:
+                    merged_p.append(addr)
+                    merged_s.append(size)
+            ptrs, sizes = merged_p, merged_s
         all_ptrs.append(ptrs)
         all_sizes.append(sizes)
     return all_ptrs, all_sizes

@@ -160,3 +160,18 @@ def test_tp2_engines_write_one_object_per_head_and_share_prefixes(
     b = run_engine(spec(tiny_model, "kvpool", pool_file, **tp2))
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
     assert all(outputs_match(rb, ra) for rb, ra in zip(b["results"], a["results"], strict=True))
+
+
+def test_zero_copy_engines_share_prefixes_with_identical_outputs(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """The KV cache placed in the holder's shared memory; blocks move with no copy."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    base = run_engine(spec(tiny_model, "none"))
+    zero = {"pool_file": pool_file, "zero_copy": True}
+    a = run_engine(spec(tiny_model, "kvpool", extra=zero, log_level="INFO"))
+    assert_same_outputs(a, base)
+    assert "KV cache placed in pool memory" in a["log"]
+    b = run_engine(spec(tiny_model, "kvpool", extra=zero, log_level="INFO"))
+    assert_same_outputs(b, base)
+    assert b["results"][0]["cached_tokens"] >= 256

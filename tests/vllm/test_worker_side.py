@@ -110,3 +110,79 @@ def test_a_dead_store_client_is_replaced_and_service_resumes() -> None:
     stats = worker.stats()
     assert stats is not None and stats.chunks_loaded == 2 and stats.chunks_put == 2
     worker.close()
+
+
+def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests() -> None:
+    import threading
+
+    release = threading.Event()
+    puts: list[int] = []
+
+    class Pool(MemoryStore):
+        """Reaches only its own memory (like a shared-memory client); puts wait."""
+
+        @property
+        def requires_staging(self) -> bool:
+            return True
+
+        def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+            assert release.wait(10)
+            puts.append(len(keys))
+            return super()._put(keys, segments)
+
+    store = Pool(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()
+    before = {n: t.clone() for n, t in caches.items()}
+    settings = ConnectorSettings(zero_copy=True)
+    worker = WorkerSide(
+        identity(), 0, settings, PoolConfig(), kv_config, lambda _: store, events=True
+    )
+    worker.register(caches)
+    assert worker.engine is not None and worker.engine.zero_copy
+    for n, t in caches.items():  # same tensors, now in the store's memory, same bytes
+        assert store.reaches(t.data_ptr(), t.nbytes) and torch.equal(t, before[n])
+    worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2]), ops("b", [3])]))
+    worker.flush_saves(frozenset({"other"}))  # no save of a freed request: returns at once
+    assert puts == []
+    flusher = threading.Thread(target=worker.flush_saves, args=(frozenset({"a"}),))
+    flusher.start()
+    flusher.join(0.2)
+    assert flusher.is_alive()  # blocks of "a" are still being read: the step waits
+    release.set()
+    flusher.join(10)
+    assert not flusher.is_alive() and sum(puts) >= 2
+    # The save results taken by the flush still reach the scheduler.
+    worker.finished()
+    deadline = time.monotonic() + 10
+    stored: dict[bytes, int] = {}
+    while len(stored) < 2 and time.monotonic() < deadline:
+        worker.finished()
+        meta = worker.worker_meta()
+        if meta is not None:
+            stored.update(meta.stored)
+        time.sleep(0.01)
+    assert len(stored) == 2  # a's two chunks (b's chunk 0 shares a's first hash)
+    worker.start_loads(KVPoolMetadata(loads=[ops("c", [9, 10])]))
+    assert finished_within(worker, "c") == (True, False)
+    for t in caches.values():
+        assert torch.equal(t[1], t[9]) and torch.equal(t[2], t[10])
+    worker.close()
+
+
+def test_zero_copy_stays_off_for_kv_groups_that_free_blocks_of_running_requests() -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec.__new__(SlidingWindowSpec)  # only its kind is read
+    kv_config = SimpleNamespace(
+        num_blocks=NB,
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=window)],
+    )
+    store = MemoryStore(capacity=1 << 28)
+    settings = ConnectorSettings(zero_copy=True)
+    worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    worker.register(kv_caches())
+    assert worker.engine is not None and not worker.engine.zero_copy
+    worker.close()

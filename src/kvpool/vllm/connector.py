@@ -208,6 +208,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Called before the forward that may overwrite freed blocks.
+        if self._worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
+            self._worker.flush_saves(kv_connector_metadata.freed)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()

@@ -3,8 +3,9 @@
 ChunkOp         one chunk of one request: absolute index, chunk hash, and the
                 block ids holding it in each KV group
 RequestOps      a request's chunks to load or to save this step
-KVPoolMetadata  scheduler -> workers: ``loads`` and ``saves`` for this step; a
-                request never appears in both
+KVPoolMetadata  scheduler -> workers: ``loads`` and ``saves`` for this step (a
+                request never appears in both), and the requests whose blocks
+                were freed since the last step
 KVPoolWorkerMetadata  workers -> scheduler: chunk hashes whose load failed
                 (aggregated over workers), so lookups stop reporting them
 """
@@ -42,6 +43,9 @@ class KVPoolMetadata(KVConnectorMetadata):
     # the worker may block briefly on its transfers instead of letting the engine
     # spin through empty steps, which starves the transfer threads of CPU.
     idle: bool = False
+    # Requests that finished or were preempted since the last step: their blocks
+    # may be overwritten in this step, so zero-copy saves reading them must end.
+    freed: frozenset[str] = frozenset()
 
 
 @dataclass

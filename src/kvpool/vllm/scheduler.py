@@ -147,6 +147,9 @@ class SchedulerSide:
 
     def build_meta(self, out: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata()
+        meta.freed = frozenset(out.finished_req_ids) | frozenset(
+            getattr(out, "preempted_req_ids", None) or ()
+        )
         loading: set[str] = set()
         for req_id, state in self._requests.items():
             if state.load is None:

@@ -35,6 +35,13 @@ class ConnectorSettings:
     # is on this host, falling back to TCP if it cannot be set up.
     shared_memory: Literal["auto", "on", "off"] = "auto"
     staging_bytes: int = 256 << 20  # per worker, for saves (and staged loads)
+    # Place the KV cache in the pool's shared memory (same-host holder) and move
+    # blocks with no staging copy. Loads are then direct (no load_timeout_s), a
+    # step waits for the saves of requests that finished or were preempted
+    # before their blocks can be reused, and a holder restart is not recovered
+    # (the pool misses until the engine restarts). Over TCP: saves put straight
+    # from the KV tensors.
+    zero_copy: bool = False
     # A staged load with no answer this long is reported failed (its blocks are
     # recomputed) and its late bytes are dropped: a holder that stops answering
     # blocks a Mooncake get ~30 s. 0 = wait as long as the store does.
@@ -83,7 +90,7 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
     for name, v in extra.items():
         if name not in _CONNECTOR:
             continue
-        if name in ("lookup_async", "save_decode"):
+        if name in ("lookup_async", "save_decode", "zero_copy"):
             values[name] = _bool(name, v)
         elif name == "chunk_size":
             values[name] = int(_number(name, v, int))

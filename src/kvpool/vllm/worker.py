@@ -6,6 +6,8 @@
     WorkerSide.start_loads(meta)    queue this step's loads (background)
     WorkerSide.start_saves(meta)    stage the chunks this rank writes (the layout's
         striping rule) and queue their puts; called after the forward
+    WorkerSide.flush_saves(freed)   zero copy: wait for the saves still reading blocks
+        of requests that finished or were preempted (before the next forward)
     WorkerSide.finished(idle)       (finished loads, failed loads) by request id;
         blocks only in an idle step with loads in flight, at most IDLE_WAIT_S
     WorkerSide.load_errors()        block ids to recompute, reported no later than
@@ -15,6 +17,12 @@
         hash that this worker's saves put in the pool
 
 A request whose load finished is always reported finished, failed or not.
+
+Zero copy (setting ``zero_copy``): at the first open the KV tensors move into the
+store's shared memory (``kvpool.placement``) and the transfer engine puts and gets
+them in place. That store is kept open until ``close`` (the KV cache lives in its
+memory); a reopened store cannot reach it, so the new engine stages. Direct loads
+cannot be abandoned, so a zero-copy worker does not reconnect.
 
 Reconnect: a job whose every key came back UNAVAILABLE means the store client
 itself may be dead (a same-host shared-memory client whose holder was killed
@@ -38,6 +46,7 @@ import torch
 
 from kvpool.config import PoolConfig
 from kvpool.errors import KVPoolError
+from kvpool.placement import place_kv
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
 from kvpool.vllm.identity import EngineIdentity
@@ -51,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do
+# vLLM KV group kinds whose blocks stay with a request until it finishes or is
+# preempted (zero copy relies on it; sliding windows free blocks earlier).
+_KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 
 
 class WorkerSide:
@@ -85,6 +97,12 @@ class WorkerSide:
         self._last_stats = TransferStats()
         self._retired = TransferStats()  # counters of replaced engines
         self._groups: list[list[tuple[str, torch.Tensor]]] = []
+        # zero_copy: the store whose memory holds the KV cache (kept open until
+        # close: the KV tensors live there), saves in flight by request, and
+        # results taken early by ``flush_saves`` for the next ``finished``.
+        self._kv_home: KVStore | None = None
+        self._save_reqs: dict[object, str] = {}
+        self._early: list[JobResult] = []
         self._lock = threading.Lock()
         self._reopening = False  # a background open runs
         self._reopened: tuple[KVStore, TransferEngine] | None = None
@@ -122,11 +140,47 @@ class WorkerSide:
                 # and checksum were checked, and each object moves as one segment.
                 load_mode="staged" if mode == "auto" else mode,
                 load_timeout_s=self.settings.load_timeout_s or None,
+                zero_copy=self._zero_copy(store),
             )
         except BaseException:
-            store.close()
+            if store is not self._kv_home:
+                store.close()
             raise
         return store, engine
+
+    def _zero_copy(self, store: KVStore) -> bool:
+        """Whether ``store`` can move blocks straight from the KV tensors, placing
+        them in its memory first where it needs that (once, at the first open)."""
+        if not self.settings.zero_copy:
+            return False
+        if store is not self._kv_home and (odd := self._blocks_freed_early()):
+            logger.warning(
+                "kvpool: zero_copy off: KV group kind %s frees blocks of running "
+                "requests, which a save in flight may still read",
+                odd,
+            )
+            return False
+        if not store.requires_staging or store is self._kv_home:
+            return True
+        if self._kv_home is not None:  # placed in a retired store's memory
+            logger.warning("kvpool: the KV cache lives in an old client's memory; staging")
+            return False
+        try:
+            place_kv(self._groups, store.alloc_staging)
+        except (KVPoolError, ValueError) as exc:
+            logger.warning("kvpool: zero_copy off, the KV cache stays where it is (%s)", exc)
+            return False
+        self._kv_home = store
+        return True
+
+    def _blocks_freed_early(self) -> str:
+        """The first KV group spec kind that may free blocks of a running request
+        (sliding windows, Mamba states, ...), or "" when every group keeps them."""
+        for g in self._local:
+            spec = getattr(self.kv_cache_config.kv_cache_groups[g], "kv_cache_spec", None)
+            if spec is not None and type(spec).__name__ not in _KEEPS_BLOCKS:
+                return type(spec).__name__
+        return ""
 
     # -- reconnect -------------------------------------------------------------------
 
@@ -164,7 +218,7 @@ class WorkerSide:
         try:
             if engine is not None:
                 engine.close()
-            if store is not None:
+            if store is not None and store is not self._kv_home:
                 store.close()
             opened: tuple[KVStore, TransferEngine] | None = self._open()
         except Exception as exc:  # KVPoolError, or anything a dying client raises
@@ -237,7 +291,27 @@ class WorkerSide:
             job = ("save", next(self._jobs))
             if self._events:
                 self._saves[job] = {r.key: h for r, h in pairs}
+            if self.engine.zero_copy:
+                self._save_reqs[job] = ops.req_id
             self.engine.submit_save(job, [r for r, _ in pairs])
+
+    def flush_saves(self, freed: frozenset[str]) -> None:
+        """Zero copy: wait for the saves still reading blocks of ``freed`` requests,
+        before this step's forward may overwrite those blocks."""
+        if not freed or not self._save_reqs or self.engine is None:
+            return
+        jobs = [j for j, r in self._save_reqs.items() if r in freed]
+        if not jobs:
+            return
+        start = time.perf_counter()
+        self._early += self.engine.wait(jobs)
+        for j in jobs:
+            self._save_reqs.pop(j, None)
+        logger.debug(
+            "kvpool: waited %.1f ms for %d save(s) of freed requests",
+            (time.perf_counter() - start) * 1e3,
+            len(jobs),
+        )
 
     def finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """(request ids whose load finished, the subset that failed).
@@ -250,10 +324,12 @@ class WorkerSide:
         self._unfinished_without_engine.clear()
         if idle and self._loads and self.engine is not None:
             self.engine.wait_any(IDLE_WAIT_S)
-        results = self.engine.poll() if self.engine is not None else []
+        results, self._early = self._early, []
+        results += self.engine.poll() if self.engine is not None else []
         results += self._check_store(results)
         for result in results:
             if result.kind != "load":
+                self._save_reqs.pop(result.job_id, None)
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
@@ -326,6 +402,9 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.store is not None:
+        if self.store is not None and self.store is not self._kv_home:
             self.store.close()
-            self.store = None
+        self.store = None
+        if self._kv_home is not None:  # closed last: the KV tensors live in its memory
+            self._kv_home.close()
+            self._kv_home = None

@@ -33,7 +33,9 @@ from kvpool.cli.bench_cmd import (
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _row(path: str, size: int, raw: float, ours: float, ck: float, failures: int = 0) -> SizeResult:
+def _row(
+    path: str, size: int, raw: float, ours: float, ck: float, failures: int = 0, zero: float = 0
+) -> SizeResult:
     return SizeResult(
         path=path,
         transport="shared memory" if path == "shm" else "tcp",
@@ -46,6 +48,10 @@ def _row(path: str, size: int, raw: float, ours: float, ck: float, failures: int
         kvpool=VariantResult("kvpool", ours, ours, ours / 2, 10.0, failures),
         checksum=VariantResult("kvpool+checksum", ck, ck, ck / 2, 9.0, 0),
         copy=10.0,
+        zero=VariantResult("zero-copy", zero, zero, zero / 2, 99.0, 0) if zero else None,
+        zero_checksum=VariantResult("zero-copy+checksum", zero, zero, 1.0, 99.0, 0)
+        if zero
+        else None,
     )
 
 
@@ -53,8 +59,8 @@ BENCH = TransferBench(
     results=(
         _row("tcp", 256 * KiB, 1.0, 0.95, 0.92),
         _row("tcp", MiB, 1.6, 1.5, 1.2),
-        _row("shm", 256 * KiB, 6.0, 5.8, 4.0),
-        _row("shm", MiB, 8.0, 6.0, 5.0, failures=2),
+        _row("shm", 256 * KiB, 6.0, 5.8, 4.0, zero=5.7),
+        _row("shm", MiB, 8.0, 6.0, 5.0, failures=2, zero=7.8),
     ),
     master_address="127.0.0.1:5555",
     repeats=5,
@@ -125,6 +131,9 @@ def test_tables_show_every_variant_ratio_and_failure() -> None:
     assert "0.75/0.75" in kvpool[3] and kvpool[3].rstrip().endswith("2")  # failures
     assert sum("numpy copy" in ln for ln in lines) == 4
     assert sum("kvpool+sum" in ln for ln in lines) == 4
+    zero = [ln for ln in lines if ln.strip().startswith("0-copy ")]
+    assert len(zero) == 2 and "0.95/0.95" in zero[0] and "0.97/0.97" in zero[1]  # vs raw
+    assert sum("0-copy+sum" in ln for ln in lines) == 2
 
 
 def test_tables_fit_an_80_column_terminal() -> None:
@@ -141,6 +150,9 @@ def test_verdicts_name_each_target_with_the_worst_figure() -> None:
     assert "checksum on missed (worst 0.75x)" in text  # tcp 1 MiB: 1.2 / 1.6
     assert "shm save >= 0.90x raw: checksum off missed (worst 0.75x)" in text
     assert "same host end-to-end >= 2.5 GB/s: checksum off met (best 3.00 GB/s)" in text
+    assert "shm zero-copy save >= 0.90x raw: checksum off met (worst 0.95x)" in text
+    assert "same host zero-copy end-to-end >= 2.5 GB/s: checksum off met (best 3.90 GB/s)" in text
+    assert "tcp zero-copy" not in text  # no zero-copy figures for tcp here
 
 
 def test_hooks_table_and_json() -> None:

@@ -19,6 +19,9 @@ with ``submit_load`` + ``wait``, through
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
 * ``kvpool+checksum``: the same with payload checksums (wsum64) written and verified,
+* ``zero-copy`` and ``zero-copy+checksum``: ``TransferEngine(zero_copy=True)``
+  over KV caches in memory the store reaches (shared memory: from
+  ``alloc_staging``, as the connector's ``zero_copy`` places vLLM's), no staging,
 * ``raw``: a separate Mooncake client's ``batch_put_from_multi_buffers`` /
   ``batch_get_into_multi_buffers`` on the same per-object segments (one per
   layer), one batch per job. TCP: a pure client with both KV caches
@@ -75,7 +78,7 @@ __all__ = [
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (32 * KiB, 256 * KiB, 1 * MiB)
 PATHS = ("tcp", "shm")
-VARIANTS = ("raw", "kvpool", "kvpool+checksum")
+VARIANTS = ("raw", "kvpool", "kvpool+checksum", "zero-copy", "zero-copy+checksum")
 _BENCH_FP = "6b76706f6f6c6265"  # b"kvpoolbe": the bench's own key space
 _DTYPE_BYTES = 4  # float32, as vLLM's CPU backend runs the tiny models
 _WAIT_S = 120.0  # a job that takes longer than this is a hung pool
@@ -137,7 +140,7 @@ def kv_shape_for(size: int, layers: int = 8) -> KVShape:
 class VariantResult:
     """Median throughputs of one way of moving the bytes, in GB/s."""
 
-    name: str  # "raw", "kvpool" or "kvpool+checksum"
+    name: str  # one of VARIANTS
     save: float
     load: float
     end_to_end: float  # bytes / median(save + load seconds)
@@ -160,6 +163,8 @@ class SizeResult:
     kvpool: VariantResult  # checksum off
     checksum: VariantResult  # kvpool with checksum on
     copy: float  # GB/s of a numpy copy of the same bytes
+    zero: VariantResult | None = None  # zero copy, checksum off
+    zero_checksum: VariantResult | None = None  # zero copy, checksum on
 
     @property
     def save_ratio(self) -> float:
@@ -178,12 +183,29 @@ class SizeResult:
         return _ratio(self.checksum.load, self.raw.load)
 
     @property
+    def zero_save_ratio(self) -> float:
+        return _ratio(self.zero.save, self.raw.save) if self.zero else 0.0
+
+    @property
+    def zero_load_ratio(self) -> float:
+        return _ratio(self.zero.load, self.raw.load) if self.zero else 0.0
+
+    @property
+    def zero_checksum_save_ratio(self) -> float:
+        return _ratio(self.zero_checksum.save, self.raw.save) if self.zero_checksum else 0.0
+
+    @property
+    def zero_checksum_load_ratio(self) -> float:
+        return _ratio(self.zero_checksum.load, self.raw.load) if self.zero_checksum else 0.0
+
+    @property
     def failures(self) -> int:
-        return self.raw.failures + self.kvpool.failures + self.checksum.failures
+        return sum(v.failures for v in self.variants)
 
     @property
     def variants(self) -> tuple[VariantResult, ...]:
-        return (self.raw, self.kvpool, self.checksum)
+        out = (self.raw, self.kvpool, self.checksum)
+        return out + tuple(v for v in (self.zero, self.zero_checksum) if v is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +461,15 @@ def _bench_size(
             framed, [dst.layers], objects, staging_bytes=staging_bytes, load_mode="staged"
         )
         stack.callback(loader.close)
+        # Zero copy: KV caches of their own, in memory the framed store's client reaches.
+        home = (lambda n: torch.from_numpy(framed.alloc_staging(n))) if shm else None
+        zsrc = _KVCache(shape, objects, home(src.nbytes) if home else None)
+        zsrc.bytes[:] = src.bytes
+        zdst = _KVCache(shape, objects, home(dst.nbytes) if home else None)
+        zsaver = TransferEngine(framed, [zsrc.layers], objects, zero_copy=True)
+        stack.callback(zsaver.close)
+        zloader = TransferEngine(framed, [zdst.layers], objects, zero_copy=True)
+        stack.callback(zloader.close)
         transport = "shared memory" if inner.shared_memory else config.protocol
         for rep in range(repeats + 1):  # repeat 0 warms up and verifies; not counted
             src_ids = rng.permutation(objects).astype(np.int64)
@@ -446,25 +477,28 @@ def _bench_size(
             put = _split(raw_src.segments(src_ids))
             get = _split(raw_dst.segments(dst_ids))
             tag = uuid.uuid4().hex[:12]
-            order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
+            order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
             all_keys: list[str] = []
             for name in order:
                 keys = [f"kvpool-bench/transfer/{tag}/{name}/{i}" for i in range(objects)]
                 all_keys += keys
                 t = times[name]
+                pair = {"raw": (raw_src, raw_dst), "kvpool": (src, dst)}.get(
+                    name.split("+")[0], (zsrc, zdst)
+                )
                 if rep == 0:
-                    (raw_dst if name == "raw" else dst).flat.zero_()
+                    pair[1].flat.zero_()
                 if name == "raw":
                     t_save, t_load, ok = _raw_round(raw_store.raw, keys, put, get, size, jobs)
                     t_submit = None
                 else:
-                    framed.checksum = framed.verify = name == "kvpool+checksum"
+                    framed.checksum = framed.verify = name.endswith("+checksum")
+                    engines = (zsaver, zloader) if name.startswith("zero") else (saver, loader)
                     t_save, t_submit, t_load, ok = _engine_round(
-                        saver, loader, keys, src_ids, dst_ids, jobs
+                        *engines, keys, src_ids, dst_ids, jobs
                     )
                 if rep == 0:
-                    a, b = (raw_src, raw_dst) if name == "raw" else (src, dst)
-                    ok &= b.equal(dst_ids, a, src_ids)
+                    ok &= pair[1].equal(dst_ids, pair[0], src_ids)
                 else:
                     t.save.append(t_save)
                     t.load.append(t_load)
@@ -493,6 +527,8 @@ def _bench_size(
         kvpool=times["kvpool"].result("kvpool", nbytes),
         checksum=times["kvpool+checksum"].result("kvpool+checksum", nbytes),
         copy=_gbps(nbytes, copies),
+        zero=times["zero-copy"].result("zero-copy", nbytes),
+        zero_checksum=times["zero-copy+checksum"].result("zero-copy+checksum", nbytes),
     )
 
 

@@ -377,7 +377,13 @@ def _path_title(r: TransferSize) -> str:
     return f"{r.path}: loopback {r.transport}, {r.load_mode} loads into the KV tensors"
 
 
-_VARIANT_LABELS = {"raw": "raw", "kvpool": "kvpool", "kvpool+checksum": "kvpool+sum"}
+_VARIANT_LABELS = {
+    "raw": "raw",
+    "kvpool": "kvpool",
+    "kvpool+checksum": "kvpool+sum",
+    "zero-copy": "0-copy",
+    "zero-copy+checksum": "0-copy+sum",
+}
 
 
 def transfer_bench_tables(bench: TransferBench) -> list[Table]:
@@ -399,7 +405,8 @@ def transfer_bench_tables(bench: TransferBench) -> list[Table]:
             t.caption = (
                 "GB/s = 1e9 payload bytes/s; e2e = bytes / (save + load); vs raw and vs copy: "
                 "save/load ratios; stall = ms per repeat the caller spends in submit_save; "
-                "+sum = checksum on.\n"
+                "+sum = checksum on; kvpool(+sum) copies blocks through staging, 0-copy "
+                "moves them from KV memory the store reaches (connector setting zero_copy).\n"
                 f"targets: save and load >= {TARGET_RATIO:.2f}x raw for "
                 f"{_label(TARGET_SIZES[0])}-{_label(TARGET_SIZES[1])} objects; same host "
                 f"e2e >= {E2E_TARGET_GBPS} GB/s"
@@ -414,10 +421,13 @@ def transfer_bench_tables(bench: TransferBench) -> list[Table]:
             target = TARGET_RATIO if _in_target_range(r) else None
             sh = r.shape
             obj = (
-                _label(r.size),
-                f"[dim]{sh.layers}L {sh.block_size}t {sh.kv_heads}x{sh.head_size}[/dim]",
-                f"[dim]{r.objects} chunks[/dim]",
-                f"[dim]{r.jobs} job{'s' if r.jobs > 1 else ''}[/dim]",
+                (
+                    _label(r.size),
+                    f"[dim]{sh.layers}L {sh.block_size}t {sh.kv_heads}x{sh.head_size}[/dim]",
+                    f"[dim]{r.objects} chunks[/dim]",
+                )
+                + ("",) * (len(r.variants) - 3)
+                + (f"[dim]{r.jobs} job{'s' if r.jobs > 1 else ''}[/dim]",)
             )
             nbytes = r.size * r.objects
             for j, v in enumerate(r.variants):
@@ -438,7 +448,7 @@ def transfer_bench_tables(bench: TransferBench) -> list[Table]:
                     f"{nbytes / v.submit / 1e6:.1f}" if v.submit else "-",
                     str(v.failures) if not v.failures else f"[red]{v.failures}[/red]",
                 )  # fmt: skip
-            t.add_row(obj[3], "numpy copy", _gb(r.copy), "", "", "", "", "", "")
+            t.add_row(obj[-1], "numpy copy", _gb(r.copy), "", "", "", "", "", "")
         tables.append(t)
     return tables
 
@@ -476,19 +486,30 @@ def transfer_verdicts(bench: TransferBench) -> list[str]:
         checks: tuple[tuple[str, list[float], list[float]], ...] = (
             ("save", [r.save_ratio for r in rows], [r.checksum_save_ratio for r in rows]),
             ("load", [r.load_ratio for r in rows], [r.checksum_load_ratio for r in rows]),
-        )
+            ("zero-copy save", [r.zero_save_ratio for r in rows],
+             [r.zero_checksum_save_ratio for r in rows]),
+            ("zero-copy load", [r.zero_load_ratio for r in rows],
+             [r.zero_checksum_load_ratio for r in rows]),
+        )  # fmt: skip
         for what, off, on in checks:
+            if what.startswith("zero") and any(r.zero is None for r in rows):
+                continue
             lines.append(
                 f"{path} {what} >= {TARGET_RATIO:.2f}x raw: "
                 f"checksum off {_met(min(off) >= TARGET_RATIO)} (worst {min(off):.2f}x), "
                 f"checksum on {_met(min(on) >= TARGET_RATIO)} (worst {min(on):.2f}x)"
             )
     shm = [r for r in bench.results if r.transport == "shared memory"]
-    if shm:
-        best_off = max(r.kvpool.end_to_end for r in shm)
-        best_on = max(r.checksum.end_to_end for r in shm)
+    for label, names in (("", ("kvpool", "kvpool+checksum")),
+                         ("zero-copy ", ("zero-copy", "zero-copy+checksum"))):  # fmt: skip
+        e2e = [[v.end_to_end for v in r.variants if v.name == name] for name in names for r in shm]
+        if not shm or not all(e2e):
+            continue
+        half = len(shm)
+        best_off = max(x[0] for x in e2e[:half])
+        best_on = max(x[0] for x in e2e[half:])
         lines.append(
-            f"same host end-to-end >= {E2E_TARGET_GBPS} GB/s: "
+            f"same host {label}end-to-end >= {E2E_TARGET_GBPS} GB/s: "
             f"checksum off {_met(best_off >= E2E_TARGET_GBPS)} (best {best_off:.2f} GB/s), "
             f"checksum on {_met(best_on >= E2E_TARGET_GBPS)} (best {best_on:.2f} GB/s)"
         )
@@ -505,6 +526,9 @@ def transfer_bench_json(bench: TransferBench) -> dict[str, Any]:
         row["save_ratio"], row["load_ratio"] = r.save_ratio, r.load_ratio
         row["checksum_save_ratio"] = r.checksum_save_ratio
         row["checksum_load_ratio"] = r.checksum_load_ratio
+        row["zero_save_ratio"], row["zero_load_ratio"] = r.zero_save_ratio, r.zero_load_ratio
+        row["zero_checksum_save_ratio"] = r.zero_checksum_save_ratio
+        row["zero_checksum_load_ratio"] = r.zero_checksum_load_ratio
         row["failures"] = r.failures
     if bench.hooks is not None:
         data["hooks"]["step_us"] = bench.hooks.step_us
@@ -524,7 +548,8 @@ def _plot_transfer(bench: TransferBench, path: str) -> None:
             rows = [r for r in bench.results if r.path == p]
             x = [r.size / 1024 for r in rows]
             color = "tab:red" if rows[0].transport == "shared memory" else "tab:blue"
-            for name, style in (("raw", ":"), ("kvpool", "-"), ("kvpool+checksum", "--")):
+            for name, style in (("raw", ":"), ("kvpool", "-"), ("kvpool+checksum", "--"),
+                                ("zero-copy", "-.")):  # fmt: skip
                 y = [getattr(next(v for v in r.variants if v.name == name), op) for r in rows]
                 ax.plot(x, y, style, color=color, marker="o", label=f"{p} {name}")
         first = [r for r in bench.results if r.path == bench.results[0].path]

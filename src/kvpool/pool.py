@@ -177,7 +177,7 @@ def master_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:
     return parse_metrics(text)
 
 
-def completed_puts(metrics: dict[str, float]) -> float:
+def completed_puts(metrics: Mapping[str, float]) -> float:
     """Objects whose put finished (PutEnd succeeded), from ``master_metrics``.
 
     ``master_key_count`` also counts objects whose put has only started: a

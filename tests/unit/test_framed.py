@@ -214,3 +214,62 @@ def test_arena_is_registered_with_the_inner_store() -> None:
     out = np.zeros_like(a)
     framed.register_memory(out.ctypes.data, out.nbytes)
     assert framed.batch_get(["k"], [split(out)]) == [Status.OK] and np.array_equal(a, out)
+
+
+class _SliceCounter(MemoryStore):
+    """Records how many scatter segments each object travels in."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 24, require_registration=False)
+        self.segments: list[int] = []
+
+    def _put(self, keys, segments):  # type: ignore[no-untyped-def]
+        self.segments += [len(s) for s in segments]
+        return super()._put(keys, segments)
+
+    def _get(self, keys, segments):  # type: ignore[no-untyped-def]
+        self.segments += [len(s) for s in segments]
+        return super()._get(keys, segments)
+
+
+def test_a_small_first_segment_travels_in_the_header_slot_as_the_same_object() -> None:
+    inner = _SliceCounter()
+    inline = FramedStore(inner, FP, checksum=True, inline_bytes=4096)
+    plain = FramedStore(inner, FP, checksum=True, inline_bytes=0)
+    a = buf(20_000, 7)
+    inline.batch_put(["small-first"], [split(a, 1000, 9000)])  # 1000 <= 4096: inlined
+    inline.batch_put(["big-first"], [split(a, 5000, 9000)])  # 5000 > 4096: not inlined
+    plain.batch_put(["plain"], [split(a, 1000, 9000)])
+    assert inner.segments == [3, 4, 4]  # header + 1000 bytes in one segment
+    n = HEADER_SIZE + a.nbytes
+    stored = {k: stored_bytes(inner, k, n) for k in ("small-first", "big-first", "plain")}
+    assert all(np.array_equal(v[HEADER_SIZE:], a) for v in stored.values())
+    # the same format whichever way it travelled: each store reads the other's objects
+    for reader, key in ((plain, "small-first"), (inline, "plain"), (inline, "big-first")):
+        out = np.zeros_like(a)
+        inner.segments.clear()
+        assert reader.batch_get([key], [split(out, 1000, 2000)]) == [Status.OK]
+        assert np.array_equal(out, a), key
+        assert inner.segments == [3 if reader is inline else 4]
+
+
+def test_a_flipped_byte_in_an_inlined_segment_reads_corrupt(inner: MemoryStore) -> None:
+    framed = FramedStore(inner, FP, checksum=True, inline_bytes=4096)
+    a = buf(8000, 8)
+    framed.batch_put(["k"], [split(a, 100)])
+    raw = stored_bytes(inner, "k", HEADER_SIZE + a.nbytes)
+    raw[HEADER_SIZE + 50] ^= 1  # inside the inlined first segment
+    inner.batch_remove(["k"], force=True)
+    inner.batch_put(["k"], [[(raw.ctypes.data, raw.nbytes)]])
+    out = np.zeros_like(a)
+    assert framed.batch_get(["k"], [split(out, 100)]) == [Status.CORRUPT]
+    assert framed.corrupt_counts[CheckFailure.CHECKSUM] == 1
+
+
+def test_inline_slots_shrink_to_the_inline_arena(inner: MemoryStore) -> None:
+    framed = FramedStore(inner, FP, inline_bytes=1 << 20)
+    assert framed.max_batch == 16  # at least 16 slots, even of 1 MiB
+    framed = FramedStore(inner, FP, inline_bytes=64 << 10)
+    assert framed.max_batch == FramedStore.INLINE_ARENA // (HEADER_SIZE + (64 << 10))
+    with pytest.raises(ValueError, match="inline_bytes"):
+        FramedStore(inner, FP, inline_bytes=-1)

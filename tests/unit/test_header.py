@@ -209,3 +209,54 @@ def test_multi_segment_batch_checksums_equal_the_checksum_of_the_concatenation(
         assert checksum == header.payload_checksum(payload)
         if len(joined) % 8 == 0:
             assert checksum == wsum64(joined)
+
+
+_rows = st.lists(st.tuples(keys, lengths, st.integers(0, 2**64 - 1)), min_size=1, max_size=8)
+
+
+@given(fingerprints, _rows, st.booleans(), st.sampled_from([64, 128, 4160]))
+def test_header_table_packs_the_bytes_pack_writes(
+    fp: bytes, rows: list[tuple[str, int, int]], with_sums: bool, stride: int
+) -> None:
+    buf = np.full(stride * (len(rows) + 1), 0xAB, dtype=np.uint8)
+    table = header.HeaderTable(buf, stride)
+    slots = list(range(len(rows), 0, -1))  # any order of slots
+    sums = [c for _, _, c in rows] if with_sums else None
+    table.pack_rows(slots, fp, [k for k, _, _ in rows], [n for _, n, _ in rows], sums)
+    for slot, (key, n, cs) in zip(slots, rows, strict=True):
+        got = buf[slot * stride : slot * stride + HEADER_SIZE].tobytes()
+        assert got == pack(fp, key, n, cs if with_sums else None)
+        assert buf[slot * stride + HEADER_SIZE : (slot + 1) * stride].tobytes() == bytes(
+            [0xAB] * (stride - HEADER_SIZE)
+        )  # what follows a header (an inlined segment) is left alone
+    assert buf[:HEADER_SIZE].tobytes() == bytes([0xAB] * HEADER_SIZE)  # slot 0 untouched
+
+
+@given(
+    fingerprints,
+    keys,
+    lengths,
+    checksums,
+    st.integers(0, HEADER_SIZE - 1),
+    st.integers(1, 255),
+    st.sampled_from(["stored", "fp", "key", "length", "checksum"]),
+)
+def test_header_table_checks_agree_with_check(
+    fp: bytes, key: str, n: int, cs: int | None, pos: int, xor: int, ask: str
+) -> None:
+    """Any corrupted byte, or a question about another object: valid_rows says
+    valid exactly when ``check`` finds nothing."""
+    raw = bytearray(pack(fp, key, n, cs))
+    if ask == "stored":
+        raw[pos] ^= xor
+    buf = np.zeros(2 * HEADER_SIZE, dtype=np.uint8)
+    buf[HEADER_SIZE:] = np.frombuffer(bytes(raw), dtype=np.uint8)
+    want_fp = bytes([fp[0] ^ xor, *fp[1:]]) if ask == "fp" else fp
+    want_key = key + "x" if ask == "key" else key
+    want_n = (n + xor) % 2**64 if ask == "length" else n
+    got_cs = ((cs or 0) + xor) % 2**64 if ask == "checksum" else cs
+    valid = header.HeaderTable(buf, HEADER_SIZE).valid_rows(
+        [1], want_fp, [want_key], [want_n], None if got_cs is None else [got_cs]
+    )
+    expected = check(unpack(bytes(raw)), want_fp, want_key, want_n, got_cs)
+    assert bool(valid[0]) is (expected is None)

@@ -8,6 +8,9 @@ headers. It owns ``inner`` and closes it.
     batch_put(keys, payloads)   stores header + payload; the header (``kvpool.header``)
                                 is the first segment of each scatter list, taken
                                 from one registered arena, so payloads stay zero-copy
+                                (a first payload segment of at most ``inline_bytes``
+                                is copied next to its header instead: one transfer
+                                slice less, see ``KVStore.merge_bytes``)
     batch_get(keys, payloads)   reads header + payload and checks the header against
                                 the fingerprint, the key, the payload length and
                                 (when the header has one and ``verify``) the checksum;
@@ -21,10 +24,11 @@ size than the stored one reads CORRUPT too (cause ``LENGTH``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -32,11 +36,10 @@ import numpy.typing as npt
 from kvpool.header import (
     HEADER_SIZE,
     CheckFailure,
+    HeaderTable,
     batch_checksums,
     check,
     fingerprint_bytes,
-    pack_into,
-    payload_checksum,
     unpack,
 )
 from kvpool.store.base import KVStore, Segment, Segments, Status, total_size
@@ -53,7 +56,12 @@ class FramedStore(KVStore):
     ``verify`` (default: ``checksum``) checks it on reads of objects that carry
     one. ``slots`` bounds the headers in flight at once; concurrent calls wait
     for free slots, and each backend sub-batch holds at most ``slots`` of them.
+    ``inline_bytes`` (default: ``inner.merge_bytes``) is the largest first payload
+    segment copied into the header's slot; slots then shrink to fit an arena of
+    about ``INLINE_ARENA`` bytes.
     """
+
+    INLINE_ARENA = 16 << 20
 
     def __init__(
         self,
@@ -63,18 +71,27 @@ class FramedStore(KVStore):
         checksum: bool = True,
         verify: bool | None = None,
         slots: int = 1024,
+        inline_bytes: int | None = None,
     ) -> None:
         super().__init__()
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        inline = inner.merge_bytes if inline_bytes is None else inline_bytes
+        if inline < 0:
+            raise ValueError(f"inline_bytes must be >= 0, got {inline}")
+        self.inline_bytes = inline
+        self._slot_bytes = HEADER_SIZE + -(-inline // 64) * 64
+        if inline:
+            slots = min(slots, max(16, self.INLINE_ARENA // self._slot_bytes))
         self.inner = inner
         self.fingerprint = fingerprint_bytes(fingerprint)
         self.checksum = checksum
         self.verify = checksum if verify is None else verify
         self.max_batch = min(inner.max_batch, slots)
         self.max_key_batch = inner.max_key_batch  # exists and remove pass straight through
-        self._arena = inner.alloc_staging(slots * HEADER_SIZE)  # registered by inner
+        self._arena = inner.alloc_staging(slots * self._slot_bytes)  # registered by inner
         self._view = self._arena.data
+        self._table = HeaderTable(self._arena, self._slot_bytes)
         self._base = self._arena.ctypes.data
         self._cond = threading.Condition()
         self._free = list(range(slots))
@@ -135,15 +152,15 @@ class FramedStore(KVStore):
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         slots = self._acquire(len(keys))
         try:
-            framed = []
-            sums: list[int | None] = (
-                list(batch_checksums(segments)) if self.checksum else [None] * len(keys)
-            )
-            for key, payload, slot, checksum in zip(keys, segments, slots, sums, strict=True):
-                offset = slot * HEADER_SIZE
-                pack_into(self._view, offset, self.fingerprint, key, total_size(payload), checksum)
-                framed.append(self._frame(slot, payload))
-            return self.inner.batch_put(keys, framed)
+            # Checksums and headers of the whole batch at once (header.batch_checksums,
+            # header.HeaderTable).
+            sums = batch_checksums(segments) if self.checksum else None
+            lengths = [total_size(p) for p in segments]
+            self._table.pack_rows(slots, self.fingerprint, keys, lengths, sums)
+            framed = [
+                self._frame(slot, p, copy_in=True) for slot, p in zip(slots, segments, strict=True)
+            ]
+            return self._inner(self.inner._put, keys, framed)
         finally:
             self._release(slots)
 
@@ -151,41 +168,74 @@ class FramedStore(KVStore):
         slots = self._acquire(len(keys))
         try:
             framed = [self._frame(slot, p) for slot, p in zip(slots, segments, strict=True)]
-            statuses = self.inner.batch_get(keys, framed)
-            # Checksums of the whole batch at once (see header.batch_checksums).
-            sums: list[int | None] = [None] * len(keys)
-            if self.verify and any(s is Status.OK for s in statuses):
-                sums = list(batch_checksums(segments))
-            return [
-                self._verify(key, payload, slot, status, checksum)
-                for key, payload, slot, status, checksum in zip(
-                    keys, segments, slots, statuses, sums, strict=True
-                )
-            ]
+            out = self._inner(self.inner._get, keys, framed)
+            for key, status in zip(keys, out, strict=True):
+                if status is Status.CORRUPT:  # the inner store saw a size mismatch
+                    self._reject(key, CheckFailure.LENGTH)
+            got = [i for i, status in enumerate(out) if status is Status.OK]
+            if not got:
+                return out
+            if self.inline_bytes:
+                for i in got:
+                    self._copy_out(slots[i], segments[i])
+            payloads = [segments[i] for i in got]
+            sums = batch_checksums(payloads) if self.verify else None
+            rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
+            lengths = [total_size(p) for p in payloads]
+            valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
+            for j in np.flatnonzero(~valid):
+                i = got[j]
+                out[i] = Status.CORRUPT
+                self._reject(keys[i], self._failure(keys[i], lengths[j], slots[i], sums, j))
+            return out
         finally:
             self._release(slots)
 
-    def _verify(
-        self, key: str, payload: Segments, slot: int, status: Status, checksum: int | None
-    ) -> Status:
-        if status is Status.CORRUPT:  # the inner store saw a size mismatch
-            self._reject(key, CheckFailure.LENGTH)
-        if status is not Status.OK:
-            return status
-        header = unpack(self._view, slot * HEADER_SIZE)
-        n = total_size(payload)
-        failure = check(header, self.fingerprint, key, n)
-        if failure is None and self.verify and header.has_checksum:
-            if checksum is None:
-                checksum = payload_checksum(payload)
-            failure = check(header, self.fingerprint, key, n, checksum)
-        if failure is None:
-            return Status.OK
-        self._reject(key, failure)
-        return Status.CORRUPT
+    def _inner(
+        self,
+        op: Callable[[Sequence[str], Sequence[Segments]], list[Status]],
+        keys: Sequence[str],
+        framed: Sequence[Segments],
+    ) -> list[Status]:
+        """``op`` (the inner store's ``_put`` or ``_get``) without its per-key checks:
+        keys and payloads were checked by this store's ``batch_*``, header segments are
+        valid by construction, and batches fit ``inner.max_batch``."""
+        if self.inner.closed:
+            return [Status.UNAVAILABLE] * len(keys)
+        out = op(keys, framed)
+        if len(out) != len(keys):
+            raise RuntimeError(f"{type(self.inner).__name__} returned {len(out)} results")
+        return out
 
-    def _frame(self, slot: int, payload: Segments) -> list[Segment]:
-        return [(self._base + slot * HEADER_SIZE, HEADER_SIZE), *payload]
+    def _failure(
+        self, key: str, length: int, slot: int, sums: Sequence[int] | None, j: int
+    ) -> CheckFailure:
+        """Why the header in ``slot`` failed ``HeaderTable.valid_rows`` (the slow path)."""
+        header = unpack(self._view, slot * self._slot_bytes)
+        checksum = sums[j] if sums is not None else None
+        return check(header, self.fingerprint, key, length, checksum) or CheckFailure.CHECKSUM
+
+    def _inlined(self, payload: Segments) -> int:
+        """Bytes of ``payload``'s first segment that travel in the header's slot."""
+        n = payload[0][1]
+        return n if 0 < n <= self.inline_bytes else 0
+
+    def _frame(self, slot: int, payload: Segments, copy_in: bool = False) -> list[Segment]:
+        """The scatter list of the whole object: header (and an inlined first payload
+        segment, copied into the slot first when ``copy_in``), then the payload."""
+        addr = self._base + slot * self._slot_bytes
+        n = self._inlined(payload)
+        if not n:
+            return [(addr, HEADER_SIZE), *payload]
+        if copy_in:
+            ctypes.memmove(addr + HEADER_SIZE, payload[0][0], n)
+        return [(addr, HEADER_SIZE + n), *payload[1:]]
+
+    def _copy_out(self, slot: int, payload: Segments) -> None:
+        """After a get: move an inlined first segment from the slot to its place."""
+        n = self._inlined(payload)
+        if n:
+            ctypes.memmove(payload[0][0], self._base + slot * self._slot_bytes + HEADER_SIZE, n)
 
     def _reject(self, key: str, failure: CheckFailure) -> None:
         with self._cond:

@@ -321,6 +321,7 @@ class TransferEngine:
         self._pressure_until = 0.0
         self._stats = TransferStats()
         self._stats_lock = threading.Lock()
+        self._stats_version = 0  # bumped with every change of _stats (stats_version)
         self._done: deque[JobResult] = deque()
         self._done_cond = threading.Condition()
         self._stage_cond = threading.Condition()  # a save's gather progress (_Job.staged)
@@ -359,6 +360,7 @@ class TransferEngine:
                 else:
                     job.chunks.append(c)
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.saves_submitted += 1
             self._stats.chunks_skipped_known += job.skipped
         if not job.chunks:
@@ -405,6 +407,7 @@ class TransferEngine:
             job_id, "load", sorted(chunks, key=lambda c: (c.group, c.chunk)), time.monotonic()
         )
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.loads_submitted += 1
         if self.load_mode == "staged":
             with self._done_cond:
@@ -469,6 +472,7 @@ class TransferEngine:
         # then finishes normally: never wait for it here.
         for job in self._abandon(late, Status.TIMED_OUT, block=False):
             with self._stats_lock:
+                self._stats_version += 1
                 self._stats.loads_timed_out += 1
             logger.warning(
                 "load %r had no answer after %.1f s; reported failed (recompute)",
@@ -517,6 +521,12 @@ class TransferEngine:
                 s.backpressure_events,
                 s.loads_timed_out,
             )
+
+    @property
+    def stats_version(self) -> int:
+        """Changes whenever ``stats()`` would: callers polling every engine step skip
+        building a snapshot while it stays the same."""
+        return self._stats_version
 
     @property
     def in_backpressure(self) -> bool:
@@ -659,6 +669,7 @@ class TransferEngine:
         for lo, hi in job.pieces:
             if not self._wait_staged(job, hi):
                 with self._stats_lock:
+                    self._stats_version += 1
                     self._stats.saves_refused["staging_error"] += 1
                 job.skipped += len(job.chunks) - lo
                 break
@@ -691,6 +702,7 @@ class TransferEngine:
         elif put:
             self._backoff_next = self._backoff[0]
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.chunks_skipped_exist += sum(
                 1 for s in statuses.values() if s is Status.EXISTS
             )
@@ -829,6 +841,7 @@ class TransferEngine:
         self._backoff_next = min(self._backoff[1], delay * 2)
         self._pressure_until = time.monotonic() + delay
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.backpressure_events += 1
         logger.warning("pool put failed (%s); skipping saves for %.1f s", cause.value, delay)
 
@@ -837,6 +850,7 @@ class TransferEngine:
             self._arena.free(job.staging)
             job.staging = None
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.saves_refused[reason] += 1
         job.skipped += len(job.chunks)
         job.chunks = []
@@ -881,6 +895,7 @@ class TransferEngine:
         ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
         nbytes = sum(self._object_nbytes(c) for c in ok_chunks)
         with self._stats_lock:
+            self._stats_version += 1
             self._stats.chunks_loaded += len(ok_chunks)
             self._stats.bytes_loaded += nbytes
             self._stats.failures.update(s.value for s in statuses.values() if not s.ok)

@@ -14,6 +14,7 @@ from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.store.base import KVStore, Segments, Status
 from kvpool.store.memory import MemoryStore
+from kvpool.transfer import TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, RequestOps
 from kvpool.vllm.settings import ConnectorSettings
@@ -185,4 +186,41 @@ def test_zero_copy_stays_off_for_kv_groups_that_free_blocks_of_running_requests(
     worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
     worker.register(kv_caches())
     assert worker.engine is not None and not worker.engine.zero_copy
+    worker.close()
+
+
+def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -> None:
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    settings, pool = ConnectorSettings(), PoolConfig()
+    worker = WorkerSide(identity(), 0, settings, pool, kv_config, lambda _: store)
+    worker.register(kv_caches())
+    engine = worker.engine
+    assert engine is not None
+    assert worker.interval_stats() is None  # nothing happened yet
+    version = engine.stats_version
+    worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2])]))
+    engine.wait([("save", 0)], timeout=10)
+    assert engine.stats_version != version
+    data = worker.interval_stats()
+    assert data is not None and data["chunks_saved"] == 2
+    snapshots = 0
+    real_stats = engine.stats
+
+    def counted() -> TransferStats:
+        nonlocal snapshots
+        snapshots += 1
+        return real_stats()
+
+    engine.stats = counted  # type: ignore[method-assign]
+    for _ in range(100):  # idle steps: reported once, then no snapshot at all
+        assert worker.interval_stats() is None
+    assert snapshots == 0
+    worker.start_loads(KVPoolMetadata(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, False)
+    data = worker.interval_stats()
+    assert data is not None and data["chunks_loaded"] == 2 and data["chunks_saved"] == 0
+    assert snapshots == 1
     worker.close()

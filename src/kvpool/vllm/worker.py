@@ -95,6 +95,7 @@ class WorkerSide:
         self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
+        self._last_version = -1  # of the engine that _last_stats came from
         self._retired = TransferStats()  # counters of replaced engines
         self._groups: list[list[tuple[str, torch.Tensor]]] = []
         # zero_copy: the store whose memory holds the KV cache (kept open until
@@ -203,6 +204,7 @@ class WorkerSide:
         stale = engine.poll()
         self._retired = self._retired + engine.stats()
         self._last_stats = TransferStats()
+        self._last_version = -1  # of the engine that _last_stats came from
         logger.warning("kvpool: the pool stopped answering (unavailable); reconnecting")
         self._start_reopen(engine, store)
         return stale
@@ -383,8 +385,9 @@ class WorkerSide:
 
     def interval_stats(self) -> dict[str, Any] | None:
         """Counters since the previous call (None when idle or nothing happened)."""
-        if self.engine is None:
-            return None
+        if self.engine is None or self.engine.stats_version == self._last_version:
+            return None  # nothing happened: the common idle step costs one comparison
+        self._last_version = self.engine.stats_version
         now = self.engine.stats()
         data = stats_delta(
             now, self._last_stats, self.engine.queue_depth, self.engine.in_backpressure

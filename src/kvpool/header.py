@@ -10,8 +10,8 @@
     key_digest(key)                xxh3-64 of the key's UTF-8
     HeaderTable(buffer, stride)    the headers at offsets 0, stride, 2*stride, ... of a
                                    buffer, packed (``pack_rows``) and checked
-                                   (``valid_rows``) a batch at a time with numpy;
-                                   the same bytes and verdicts as ``pack``/``check``
+                                   (``valid_rows``) a batch at a time; the same
+                                   bytes and verdicts as ``pack``/``check``
     fingerprint_bytes(fp)          a ``KeySpace.fingerprint`` (16 hex) as 8 bytes
 
 Layout (little-endian, offsets in bytes)::
@@ -352,21 +352,18 @@ def check(
 
 class HeaderTable:
     """Headers at offsets ``0, stride, 2 * stride, ...`` of a uint8 ``buffer`` (one per
-    slot), written and checked for many slots at once: per batch a few numpy calls
-    and one xxh3 per key, instead of a struct and a ``Header`` per object."""
+    slot), written and checked a batch at a time.
+
+    A lean loop over ``struct`` with no ``Header`` objects: per row about 0.5 us, and
+    the loop stays fast right after a transfer has flushed the CPU caches (numpy's
+    per-call machinery measured 4x slower than this loop then, for 16 rows).
+    """
 
     def __init__(self, buffer: npt.NDArray[np.uint8], stride: int) -> None:
         if stride < HEADER_SIZE or stride % 8:
             raise ValueError(f"stride must be a multiple of 8 and >= {HEADER_SIZE}, got {stride}")
-        dtype = np.dtype(
-            {
-                "names": list(_TABLE_FIELDS),
-                "formats": ["<u4", "<u2", "<u2", "<u8", "<u8", "<u8", "<u8", ("<u8", 3)],
-                "offsets": [0, 4, 6, 8, 16, 24, 32, 40],
-                "itemsize": stride,
-            }
-        )
-        self.rows = buffer[: len(buffer) // stride * stride].view(dtype)
+        self._view = buffer.data.cast("B")
+        self._stride = stride
 
     def pack_rows(
         self,
@@ -379,16 +376,15 @@ class HeaderTable:
         """``pack(fingerprint, keys[i], lengths[i], checksums[i])`` into row ``rows[i]``."""
         if len(fingerprint) != _FP_LEN:
             raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
-        table = np.zeros(len(rows), dtype=self.rows.dtype)
-        table["magic"] = _MAGIC_U32
-        table["version"] = FORMAT_VERSION
-        table["fp"] = int.from_bytes(fingerprint, "little")
-        table["digest"] = [key_digest(k) for k in keys]
-        table["length"] = lengths
-        if checksums is not None:
-            table["flags"] = FLAG_CHECKSUM
-            table["checksum"] = checksums
-        self.rows[np.asarray(rows, dtype=np.intp)] = table
+        put, view, stride, digest = _STRUCT.pack_into, self._view, self._stride, _DIGEST
+        if checksums is None:
+            for row, key, n in zip(rows, keys, lengths, strict=True):
+                put(view, row * stride, MAGIC, FORMAT_VERSION, 0, fingerprint,
+                    digest(key.encode()), n, 0, _ZERO)  # fmt: skip
+        else:
+            for row, key, n, cs in zip(rows, keys, lengths, checksums, strict=True):
+                put(view, row * stride, MAGIC, FORMAT_VERSION, FLAG_CHECKSUM, fingerprint,
+                    digest(key.encode()), n, cs, _ZERO)  # fmt: skip
 
     def valid_rows(
         self,
@@ -397,27 +393,24 @@ class HeaderTable:
         keys: Sequence[str],
         lengths: Sequence[int],
         checksums: Sequence[int] | None = None,
-    ) -> npt.NDArray[np.bool_]:
+    ) -> list[bool]:
         """Per row: would ``check(unpack(row), fingerprint, keys[i], lengths[i],
         checksums[i])`` return None? (``checksums`` None: not compared.)"""
-        h = self.rows[np.asarray(rows, dtype=np.intp)]
-        flags = h["flags"]
-        has_sum = (flags & FLAG_CHECKSUM) != 0
-        ok = (
-            (h["magic"] == _MAGIC_U32)
-            & (h["version"] == FORMAT_VERSION)
-            & ((flags & ~np.uint16(_KNOWN_FLAGS)) == 0)
-            & (has_sum | (h["checksum"] == 0))
-            & (h["zero"] == 0).all(axis=1)
-            & (h["fp"] == int.from_bytes(fingerprint, "little"))
-            & (h["digest"] == np.array([key_digest(k) for k in keys], dtype=np.uint64))
-            & (h["length"] == np.array(lengths, dtype=np.uint64))
-        )
-        if checksums is not None:
-            ok &= ~has_sum | (h["checksum"] == np.array(checksums, dtype=np.uint64))
-        result: npt.NDArray[np.bool_] = ok
-        return result
+        get, view, stride, digest = _STRUCT.unpack_from, self._view, self._stride, _DIGEST
+        out = []
+        for i, (row, key, n) in enumerate(zip(rows, keys, lengths, strict=True)):
+            magic, version, flags, fp, dig, length, cs, reserved = get(view, row * stride)
+            out.append(
+                magic == MAGIC
+                and version == FORMAT_VERSION
+                and (flags == FLAG_CHECKSUM or (flags == 0 and cs == 0))
+                and reserved == _ZERO
+                and fp == fingerprint
+                and length == n
+                and (checksums is None or flags == 0 or cs == checksums[i])
+                and dig == digest(key.encode())
+            )
+        return out
 
 
-_MAGIC_U32 = int.from_bytes(MAGIC, "little")
-_TABLE_FIELDS = ("magic", "version", "flags", "fp", "digest", "length", "checksum", "zero")
+_DIGEST = xxhash.xxh3_64_intdigest

@@ -183,7 +183,7 @@ class FramedStore(KVStore):
             rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
             lengths = [total_size(p) for p in payloads]
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
-            for j in np.flatnonzero(~valid):
+            for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
                 out[i] = Status.CORRUPT
                 self._reject(keys[i], self._failure(keys[i], lengths[j], slots[i], sums, j))

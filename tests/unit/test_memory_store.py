@@ -243,3 +243,42 @@ def test_numpy_integers_are_invalid_and_the_reason_is_logged_once(
     with caplog.at_level(logging.WARNING, logger="kvpool.store.base"):
         assert store.batch_put(["np1", "np2"], [seg, seg]) == [Status.INVALID] * 2  # type: ignore[list-item]
     assert caplog.text.count("must be Python ints: got (int64, int)") == 1
+
+
+_SEGMENT_CASES: list[object] = [
+    [(8, 8)],
+    ((8, 8), (16, 0)),
+    [(8, 0)],
+    [(8, -1)],
+    [(0, 8)],
+    [(-8, 8)],
+    [[8, 8]],
+    [(8, 8, 8)],
+    [(8,)],
+    [(8, 8), (16, 8, 1)],
+    [(8, 8), (16,)],
+    [(True, 8)],
+    [(8, True)],
+    [(8.0, 8)],
+    [(8, 8.0)],
+    [(np.int64(8), 8)],
+    [],
+    (),
+    [(8, 2**70)],
+    [(2**70, 8)],
+    "ab",
+    None,
+]
+
+
+@pytest.mark.parametrize("segments", _SEGMENT_CASES, ids=repr)
+def test_the_fast_segment_check_agrees_with_the_full_one(segments: object) -> None:
+    """``_plainly_valid`` may only say yes where the full loop finds nothing wrong."""
+    from kvpool.store import base
+
+    full = base._malformed("k", segments)
+    if isinstance(segments, list | tuple) and segments:
+        fast_yes = base._plainly_valid(segments)
+        assert not fast_yes or full is None, segments
+        if all(type(s) is tuple for s in segments):
+            assert fast_yes == (full is None), segments

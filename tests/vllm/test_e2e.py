@@ -104,7 +104,10 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     listener.start()
     try:
         pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-        run_engine(spec(tiny_model, "kvpool", pool_file, kv_events_endpoint=endpoint))
+        # settle_saves: the last chunks' events need engine steps after their saves
+        run_engine(
+            spec(tiny_model, "kvpool", pool_file, kv_events_endpoint=endpoint, settle_saves=True)
+        )
     finally:
         stop.set()
         listener.join()

@@ -6,9 +6,13 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
        "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
-       "env": {"NAME": "value"}, "log_level": "DEBUG"}
+       "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
+With ``"settle_saves": true`` the engine keeps stepping after the last prompt
+(short prompts of no full chunk, not in the results) until kvpool's worker has
+no save outstanding, plus one more step: what a save reports (KV events) then
+reaches the scheduler before the engine exits.
 
 With ``"phases": [[prompts], [prompts], ...]`` instead of ``"prompts"``, the
 engine runs one phase, prints ``KVPOOL-PHASE <i> <json>`` (that phase's results
@@ -140,7 +144,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         results.append(_generate(llm, greedy, ids))
     if spec.get("progress"):
         sys.stdout.write(f"\nKVPOOL-PROGRESS {len(spec['prompts'])}\n")
+    if spec.get("settle_saves"):
+        _settle_saves(llm, greedy)
     return {"startup_s": startup, "results": results, "connector": _connector_stats(llm)}
+
+
+def _settle_saves(llm: Any, greedy: Any, timeout_s: float = 30.0) -> None:
+    """Step the engine until kvpool's worker has no save outstanding, then once more.
+
+    A save's completion reaches the scheduler only in a later engine step, and
+    after the last prompt there is none; each flush prompt is 3 tokens (no full
+    chunk: nothing to save or load) and makes a few steps.
+    """
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    flush = TokensPrompt(prompt_token_ids=[7, 8, 9])
+    deadline = time.monotonic() + timeout_s
+    while worker is not None and worker._saves and time.monotonic() < deadline:
+        llm.generate([flush], greedy, use_tqdm=False)
+    llm.generate([flush], greedy, use_tqdm=False)
 
 
 def _generate(llm: Any, greedy: Any, ids: list[int]) -> dict[str, Any]:

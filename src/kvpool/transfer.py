@@ -62,12 +62,13 @@ in zero copy: there a duplicate put reports OK, or EXISTS where the store tells)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -321,7 +322,7 @@ class TransferEngine:
         self._pressure_until = 0.0
         self._stats = TransferStats()
         self._stats_lock = threading.Lock()
-        self._stats_version = 0  # bumped with every change of _stats (stats_version)
+        self._stats_version = 0  # bumped by _counting, with every change of _stats
         self._done: deque[JobResult] = deque()
         self._done_cond = threading.Condition()
         self._stage_cond = threading.Condition()  # a save's gather progress (_Job.staged)
@@ -359,8 +360,7 @@ class TransferEngine:
                     job.known.append(c.key)
                 else:
                     job.chunks.append(c)
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.saves_submitted += 1
             self._stats.chunks_skipped_known += job.skipped
         if not job.chunks:
@@ -406,8 +406,7 @@ class TransferEngine:
         job = _Job(
             job_id, "load", sorted(chunks, key=lambda c: (c.group, c.chunk)), time.monotonic()
         )
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.loads_submitted += 1
         if self.load_mode == "staged":
             with self._done_cond:
@@ -471,8 +470,7 @@ class TransferEngine:
         # A job copying into the KV tensors right now holds its lock for a few ms and
         # then finishes normally: never wait for it here.
         for job in self._abandon(late, Status.TIMED_OUT, block=False):
-            with self._stats_lock:
-                self._stats_version += 1
+            with self._counting():
                 self._stats.loads_timed_out += 1
             logger.warning(
                 "load %r had no answer after %.1f s; reported failed (recompute)",
@@ -521,6 +519,13 @@ class TransferEngine:
                 s.backpressure_events,
                 s.loads_timed_out,
             )
+
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Hold the stats lock to change ``_stats``; bumps ``stats_version``."""
+        with self._stats_lock:
+            self._stats_version += 1
+            yield
 
     @property
     def stats_version(self) -> int:
@@ -668,8 +673,7 @@ class TransferEngine:
         nbytes = 0
         for lo, hi in job.pieces:
             if not self._wait_staged(job, hi):
-                with self._stats_lock:
-                    self._stats_version += 1
+                with self._counting():
                     self._stats.saves_refused["staging_error"] += 1
                 job.skipped += len(job.chunks) - lo
                 break
@@ -701,8 +705,7 @@ class TransferEngine:
             self._enter_backpressure(trouble[0])
         elif put:
             self._backoff_next = self._backoff[0]
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.chunks_skipped_exist += sum(
                 1 for s in statuses.values() if s is Status.EXISTS
             )
@@ -840,8 +843,7 @@ class TransferEngine:
         delay = self._backoff_next
         self._backoff_next = min(self._backoff[1], delay * 2)
         self._pressure_until = time.monotonic() + delay
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.backpressure_events += 1
         logger.warning("pool put failed (%s); skipping saves for %.1f s", cause.value, delay)
 
@@ -849,8 +851,7 @@ class TransferEngine:
         if job.staging is not None:
             self._arena.free(job.staging)
             job.staging = None
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.saves_refused[reason] += 1
         job.skipped += len(job.chunks)
         job.chunks = []
@@ -894,8 +895,7 @@ class TransferEngine:
                     invalid.update(c.block_ids)
         ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
         nbytes = sum(self._object_nbytes(c) for c in ok_chunks)
-        with self._stats_lock:
-            self._stats_version += 1
+        with self._counting():
             self._stats.chunks_loaded += len(ok_chunks)
             self._stats.bytes_loaded += nbytes
             self._stats.failures.update(s.value for s in statuses.values() if not s.ok)

@@ -186,7 +186,8 @@ class FramedStore(KVStore):
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
                 out[i] = Status.CORRUPT
-                self._reject(keys[i], self._failure(keys[i], lengths[j], slots[i], sums, j))
+                checksum = sums[j] if sums is not None else None
+                self._reject(keys[i], self._failure(keys[i], lengths[j], slots[i], checksum))
             return out
         finally:
             self._release(slots)
@@ -207,12 +208,9 @@ class FramedStore(KVStore):
             raise RuntimeError(f"{type(self.inner).__name__} returned {len(out)} results")
         return out
 
-    def _failure(
-        self, key: str, length: int, slot: int, sums: Sequence[int] | None, j: int
-    ) -> CheckFailure:
+    def _failure(self, key: str, length: int, slot: int, checksum: int | None) -> CheckFailure:
         """Why the header in ``slot`` failed ``HeaderTable.valid_rows`` (the slow path)."""
         header = unpack(self._view, slot * self._slot_bytes)
-        checksum = sums[j] if sums is not None else None
         return check(header, self.fingerprint, key, length, checksum) or CheckFailure.CHECKSUM
 
     def _inlined(self, payload: Segments) -> int:

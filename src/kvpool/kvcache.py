@@ -21,9 +21,10 @@ and the storage extent of each tensor; never touches their bytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -116,6 +117,33 @@ class GroupKV:
     regions: tuple[Region, ...]
     layers: tuple[_LayerRows, ...]
     block_nbytes: int  # bytes of one block over all layers of the group
+    # One-block objects (the default: a chunk is one engine block): segment j of
+    # block b lies at starts[j] + b * strides[j] and has lengths[j] bytes.
+    _one_block: tuple[np.ndarray, np.ndarray, list[int]] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_one_block", self._plan_one_block())
+
+    def _plan_one_block(self) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """The segments of one block as affine functions of its id: each layer's runs,
+        merged where they touch for every block id (within a layer always; across
+        layers when both step alike). Merging only where it holds for all ids keeps
+        this exact: the bytes and their order are those of ``rows``."""
+        segs: list[list[int]] = []  # [start byte at block 0, byte stride, length]
+        for lay in self.layers:
+            reg = self.regions[lay.region]
+            stride = lay.block_rows * reg.row_bytes
+            for run in lay.run_rows:
+                start = reg.base + (lay.first_row + run) * reg.row_bytes
+                length = lay.rows_per_run * reg.row_bytes
+                if segs and segs[-1][1] == stride and segs[-1][0] + segs[-1][2] == start:
+                    segs[-1][2] += length
+                else:
+                    segs.append([start, stride, length])
+        table = np.array(segs, dtype=np.int64).reshape(-1, 3)
+        return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].tolist()
 
     def object_nbytes(self, num_blocks: int) -> int:
         """Bytes of the object for ``num_blocks`` blocks (payload, no header)."""
@@ -157,28 +185,38 @@ class GroupKV:
 
     def segments(self, block_ids: np.ndarray) -> list[list[tuple[int, int]]]:
         """Scatter lists ``[(address, length)]`` per object, adjacent rows merged."""
+        addrs, sizes = self.columns(block_ids)
+        return [list(zip(a, n, strict=True)) for a, n in zip(addrs, sizes, strict=True)]
+
+    def columns(self, block_ids: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+        """``segments`` as two columns: per object its addresses and its lengths
+        (Python ints, no empty segment; what ``store.base.Scatter`` holds)."""
         ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.ndim == 2 and ids.shape[1] == 1 and ids.size:  # no numpy work per row
+            starts, strides, lengths = self._one_block
+            at = starts[None, :] + ids * strides[None, :]
+            return at.tolist(), [lengths] * ids.shape[0]  # lengths shared, never mutated
         if len(self.regions) == 1 and ids.ndim == 2 and ids.size:
-            return self._segments_one_region(ids)
-        out = []
+            return self._columns_one_region(ids)
+        all_addrs: list[list[int]] = []
+        all_sizes: list[list[int]] = []
         for obj in range(ids.shape[0]):
-            segs: list[tuple[int, int]] = []
+            addrs: list[int] = []
+            sizes: list[int] = []
             for region, rows in self.rows(ids[obj : obj + 1]):
                 reg = self.regions[region]
-                addrs = reg.base + rows * reg.row_bytes
                 # Merge runs of consecutive rows into single segments.
                 breaks = np.flatnonzero(np.diff(rows) != 1) + 1
                 starts = np.concatenate([[0], breaks])
                 ends = np.concatenate([breaks, [rows.size]])
-                segs.extend(
-                    (int(addrs[s]), int((e - s) * reg.row_bytes))
-                    for s, e in zip(starts, ends, strict=True)
-                )
-            out.append(segs)
-        return out
+                addrs += (reg.base + rows[starts] * reg.row_bytes).tolist()
+                sizes += ((ends - starts) * reg.row_bytes).tolist()
+            all_addrs.append(addrs)
+            all_sizes.append(sizes)
+        return all_addrs, all_sizes
 
-    def _segments_one_region(self, ids: np.ndarray) -> list[list[tuple[int, int]]]:
-        """``segments`` for all objects at once (one allocation: the common case)."""
+    def _columns_one_region(self, ids: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+        """``columns`` for all objects at once (one allocation: the common case)."""
         ((region, flat),) = self.rows(ids)
         reg = self.regions[region]
         n = ids.shape[0]
@@ -187,13 +225,15 @@ class GroupKV:
         start[:, 1:] = np.diff(rows, axis=1) != 1  # every object's first row starts one
         first = np.flatnonzero(start)
         lengths = (np.append(first[1:], rows.size) - first) * reg.row_bytes
-        addrs = (reg.base + rows.reshape(-1)[first] * reg.row_bytes).tolist()
-        sizes = lengths.tolist()
-        out, pos = [], 0
-        for count in start.sum(axis=1).tolist():
-            out.append(list(zip(addrs[pos : pos + count], sizes[pos : pos + count], strict=True)))
-            pos += count
-        return out
+        addrs = reg.base + rows.reshape(-1)[first] * reg.row_bytes
+        counts = start.sum(axis=1)
+        if (counts == counts[0]).all():  # equal counts: one reshape, no loop per object
+            k = int(counts[0])
+            return addrs.reshape(n, k).tolist(), lengths.reshape(n, k).tolist()
+        flat_addrs, flat_sizes = addrs.tolist(), lengths.tolist()
+        bounds = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        spans = list(itertools.pairwise(bounds))
+        return [flat_addrs[a:b] for a, b in spans], [flat_sizes[a:b] for a, b in spans]
 
 
 def describe_group(tensors: Sequence[tuple[str, TensorLike]], num_blocks: int) -> GroupKV:

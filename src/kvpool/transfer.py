@@ -76,7 +76,7 @@ import numpy as np
 import torch
 
 from kvpool.kvcache import GroupKV, describe_group
-from kvpool.store.base import KVStore, Segment, Status
+from kvpool.store.base import KVStore, Scatter, Status
 
 __all__ = ["ChunkRef", "JobResult", "StagingArena", "TransferEngine", "TransferStats"]
 
@@ -604,10 +604,11 @@ class TransferEngine:
             else:
                 view.index_copy_(0, rows, src)
 
-    def _kv_segments(self, chunks: Sequence[ChunkRef]) -> list[list[Segment]]:
+    def _kv_segments(self, chunks: Sequence[ChunkRef]) -> Scatter:
         """Per chunk, its object's scatter list in the KV tensors themselves (one
         vectorised call per run of chunks of one group and block count)."""
-        out: list[list[Segment]] = []
+        addrs: list[list[int]] = []
+        sizes: list[list[int]] = []
         i = 0
         while i < len(chunks):
             g, n = chunks[i].group, len(chunks[i].block_ids)
@@ -615,9 +616,11 @@ class TransferEngine:
             while j < len(chunks) and chunks[j].group == g and len(chunks[j].block_ids) == n:
                 j += 1
             ids = np.array([c.block_ids for c in chunks[i:j]], dtype=np.int64)
-            out += self.groups[g].segments(ids)
+            a, z = self.groups[g].columns(ids)
+            addrs += a
+            sizes += z
             i = j
-        return out
+        return Scatter(addrs, sizes)  # kvcache builds valid columns
 
     def _pieces(self, chunks: Sequence[ChunkRef]) -> list[tuple[int, int]]:
         """``chunks`` cut into ranges of about ``piece_bytes`` (at least one chunk each):
@@ -688,10 +691,8 @@ class TransferEngine:
             if self.zero_copy:
                 segs = self._kv_segments([job.chunks[i] for i in todo])
             else:
-                segs = [
-                    [(self._staging_base + job.offsets[i], n)]
-                    for i, n in zip(todo, sizes, strict=True)
-                ]
+                base = self._staging_base
+                segs = Scatter([[base + job.offsets[i]] for i in todo], [[n] for n in sizes])
             got = self.store.batch_put(keys, segs)
             for key, n, st in zip(keys, sizes, got, strict=True):
                 statuses[key] = st
@@ -748,10 +749,11 @@ class TransferEngine:
             if job.is_reported():  # abandoned: fetch nothing more, let the scatter free
                 piece.statuses = [Status.TIMED_OUT] * (hi - lo)
             else:
-                segs = [
-                    [(self._staging_base + job.offsets[i], self._object_nbytes(job.chunks[i]))]
-                    for i in range(lo, hi)
-                ]
+                base = self._staging_base
+                segs = Scatter(
+                    [[base + job.offsets[i]] for i in range(lo, hi)],
+                    [[self._object_nbytes(job.chunks[i])] for i in range(lo, hi)],
+                )
                 t0 = time.perf_counter()
                 try:
                     piece.statuses = self.store.batch_get(keys[lo:hi], segs)

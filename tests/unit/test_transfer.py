@@ -87,12 +87,60 @@ def test_one_allocation_is_one_region() -> None:
     assert spec.block_nbytes == 4 * 2 * BS * 64 * 4
 
 
+def _byte_runs(addrs: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) byte ranges in order, touching ones merged: what a scatter list means."""
+    out: list[tuple[int, int]] = []
+    for a, n in zip(addrs, sizes, strict=True):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], a + n)
+        else:
+            out.append((a, a + n))
+    return out
+
+
+def shared_layers(n: int) -> list[tuple[str, torch.Tensor]]:
+    """Layers back to back in one allocation, each [blocks, block_size, 64] (the
+    block stride equals the layer size only for NB = 1: no merging across layers)."""
+    cache = torch.empty(n * NB * BS * 64, dtype=torch.float16)
+    per = NB * BS * 64
+    return [(f"l{i}", cache[i * per : (i + 1) * per].view(NB, BS, 64)) for i in range(n)]
+
+
+def interleaved_layers(n: int) -> list[tuple[str, torch.Tensor]]:
+    """One tensor [blocks, layers, block_size, 64]: a block over all layers is contiguous."""
+    cache = torch.empty(NB, n, BS, 64, dtype=torch.float16)
+    return [(f"l{i}", cache[:, i]) for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", [*LAYOUTS, "shared", "interleaved"])
+def test_one_block_columns_cover_exactly_the_rows_of_the_block(kind: str) -> None:
+    """The per-block plan (no numpy work per object) against the rows it stands for."""
+    extra = {"shared": shared_layers, "interleaved": interleaved_layers}
+    layers = (extra.get(kind) or LAYOUTS[kind])(3)
+    spec = describe_group(layers, NB)
+    ids = np.array([[0], [NB - 1], [7], [7], [30]], dtype=np.int64)
+    addrs, sizes = spec.columns(ids)
+    for obj, (a, n) in enumerate(zip(addrs, sizes, strict=True)):
+        expected = []
+        for region, rows in spec.rows(ids[obj : obj + 1]):
+            reg = spec.regions[region]
+            expected += [(reg.base + int(r) * reg.row_bytes, reg.row_bytes) for r in rows]
+        assert _byte_runs(a, n) == _byte_runs(*map(list, zip(*expected, strict=True)))
+        assert sum(n) == spec.block_nbytes and all(type(x) is int for x in a + n)
+        assert len(a) == {"interleaved": 1, "shared": 3}.get(kind, len(a))  # merged or not
+    assert spec.segments(ids[:2]) == [
+        list(zip(a, n, strict=True)) for a, n in zip(addrs[:2], sizes[:2], strict=True)
+    ]
+
+
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 @pytest.mark.parametrize("load_mode", ["direct", "staged"])
-def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str) -> None:
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str, blocks: int) -> None:
     src = LAYOUTS[kind](3)
     randomize(src, 1)
-    chunks = [ChunkRef(f"k{i}", 0, i, (2 * i + 5, 2 * i + 6)) for i in range(8)]
+    ids = [tuple(range(2 * i + 5, 2 * i + 5 + blocks)) for i in range(8)]
+    chunks = [ChunkRef(f"k{i}", 0, i, b) for i, b in enumerate(ids)]
     with_engine = engine(store, src)
     assert with_engine.submit_save("s", chunks)
     (res,) = with_engine.wait(["s"], timeout=30)
@@ -103,7 +151,10 @@ def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str) -> N
     randomize(dst, 2)
     reader = engine(store, dst, load_mode=load_mode)
     # Load into other blocks than those saved from.
-    targets = [ChunkRef(c.key, 0, c.chunk, (40 + 2 * c.chunk, 41 + 2 * c.chunk)) for c in chunks]
+    targets = [
+        ChunkRef(c.key, 0, c.chunk, tuple(range(40 + 2 * c.chunk, 40 + 2 * c.chunk + blocks)))
+        for c in chunks
+    ]
     reader.submit_load("l", targets)
     (res,) = reader.wait(["l"], timeout=30)
     reader.close()

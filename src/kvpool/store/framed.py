@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import operator
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -42,9 +43,11 @@ from kvpool.header import (
     fingerprint_bytes,
     unpack,
 )
-from kvpool.store.base import KVStore, Segment, Segments, Status, total_size
+from kvpool.store.base import KVStore, Scatter, Segments, Status, total_size
 
 __all__ = ["FramedStore"]
+
+_first = operator.itemgetter(0)
 
 logger = logging.getLogger(__name__)
 
@@ -155,33 +158,30 @@ class FramedStore(KVStore):
             # Checksums and headers of the whole batch at once (header.batch_checksums,
             # header.HeaderTable).
             sums = batch_checksums(segments) if self.checksum else None
-            lengths = [total_size(p) for p in segments]
-            self._table.pack_rows(slots, self.fingerprint, keys, lengths, sums)
-            framed = [
-                self._frame(slot, p, copy_in=True) for slot, p in zip(slots, segments, strict=True)
-            ]
-            return self._inner(self.inner._put, keys, framed)
+            self._table.pack_rows(slots, self.fingerprint, keys, _totals(segments), sums)
+            return self._inner(self.inner._put, keys, self._frames(slots, segments, copy_in=True))
         finally:
             self._release(slots)
 
     def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         slots = self._acquire(len(keys))
         try:
-            framed = [self._frame(slot, p) for slot, p in zip(slots, segments, strict=True)]
-            out = self._inner(self.inner._get, keys, framed)
+            out = self._inner(self.inner._get, keys, self._frames(slots, segments))
             for key, status in zip(keys, out, strict=True):
                 if status is Status.CORRUPT:  # the inner store saw a size mismatch
                     self._reject(key, CheckFailure.LENGTH)
             got = [i for i, status in enumerate(out) if status is Status.OK]
             if not got:
                 return out
+            if len(got) == len(keys):
+                payloads, rows, got_keys = segments, slots, keys
+            else:
+                payloads = _take(segments, got)
+                rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
             if self.inline_bytes:
-                for i in got:
-                    self._copy_out(slots[i], segments[i])
-            payloads = [segments[i] for i in got]
+                self._copy_out(rows, payloads)
             sums = batch_checksums(payloads) if self.verify else None
-            rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
-            lengths = [total_size(p) for p in payloads]
+            lengths = _totals(payloads)
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
@@ -213,27 +213,55 @@ class FramedStore(KVStore):
         header = unpack(self._view, slot * self._slot_bytes)
         return check(header, self.fingerprint, key, length, checksum) or CheckFailure.CHECKSUM
 
-    def _inlined(self, payload: Segments) -> int:
-        """Bytes of ``payload``'s first segment that travel in the header's slot."""
-        n = payload[0][1]
-        return n if 0 < n <= self.inline_bytes else 0
+    def _frames(
+        self, slots: list[int], payloads: Sequence[Segments], copy_in: bool = False
+    ) -> Sequence[Segments]:
+        """The scatter lists of the whole objects: header (and an inlined first payload
+        segment, copied into the slot first when ``copy_in``), then the payload.
 
-    def _frame(self, slot: int, payload: Segments, copy_in: bool = False) -> list[Segment]:
-        """The scatter list of the whole object: header (and an inlined first payload
-        segment, copied into the slot first when ``copy_in``), then the payload."""
+        A first segment of at most ``inline_bytes`` travels in the header's slot."""
+        if not isinstance(payloads, Scatter):  # plain lists: the inner store merges them
+            return [self._frame(s, p, copy_in) for s, p in zip(slots, payloads, strict=True)]
+        heads = [self._base + slot * self._slot_bytes for slot in slots]
+        cols, inline, hs = payloads, self.inline_bytes, HEADER_SIZE
+        if not inline or min(map(_first, cols.sizes)) > inline:  # no inlining: columns
+            return Scatter(
+                [[h, *a] for h, a in zip(heads, cols.addrs, strict=True)],
+                [[hs, *n] for n in cols.sizes],
+            )
+        addrs, sizes = [], []
+        for h, a, n in zip(heads, cols.addrs, cols.sizes, strict=True):
+            if 0 < n[0] <= inline:
+                if copy_in:
+                    ctypes.memmove(h + hs, a[0], n[0])
+                addrs.append([h, *a[1:]])
+                sizes.append([hs + n[0], *n[1:]])
+            else:
+                addrs.append([h, *a])
+                sizes.append([hs, *n])
+        return Scatter(addrs, sizes)
+
+    def _frame(self, slot: int, payload: Segments, copy_in: bool) -> list[tuple[int, int]]:
+        """``_frames`` of one plain scatter list."""
         addr = self._base + slot * self._slot_bytes
-        n = self._inlined(payload)
-        if not n:
+        n = payload[0][1]
+        if not 0 < n <= self.inline_bytes:
             return [(addr, HEADER_SIZE), *payload]
         if copy_in:
             ctypes.memmove(addr + HEADER_SIZE, payload[0][0], n)
         return [(addr, HEADER_SIZE + n), *payload[1:]]
 
-    def _copy_out(self, slot: int, payload: Segments) -> None:
-        """After a get: move an inlined first segment from the slot to its place."""
-        n = self._inlined(payload)
-        if n:
-            ctypes.memmove(payload[0][0], self._base + slot * self._slot_bytes + HEADER_SIZE, n)
+    def _copy_out(self, slots: list[int], payloads: Sequence[Segments]) -> None:
+        """After a get: move inlined first segments from their slots to their places."""
+        if isinstance(payloads, Scatter):
+            addrs, sizes = map(_first, payloads.addrs), map(_first, payloads.sizes)
+            firsts = list(zip(addrs, sizes, strict=True))
+        else:
+            firsts = [p[0] for p in payloads]
+        inline = self.inline_bytes
+        for slot, (a, n) in zip(slots, firsts, strict=True):
+            if 0 < n <= inline:
+                ctypes.memmove(a, self._base + slot * self._slot_bytes + HEADER_SIZE, n)
 
     def _reject(self, key: str, failure: CheckFailure) -> None:
         with self._cond:
@@ -259,3 +287,15 @@ class FramedStore(KVStore):
         with self._cond:
             self._free.extend(slots)
             self._cond.notify_all()
+
+
+def _totals(payloads: Sequence[Segments]) -> list[int]:
+    if isinstance(payloads, Scatter):
+        return payloads.totals()
+    return [total_size(p) for p in payloads]
+
+
+def _take(payloads: Sequence[Segments], indices: list[int]) -> Sequence[Segments]:
+    if isinstance(payloads, Scatter):
+        return payloads.take(indices)
+    return [payloads[i] for i in indices]

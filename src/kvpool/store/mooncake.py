@@ -51,7 +51,7 @@ import numpy.typing as npt
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError, StoreMissingDependency, StoreUnavailable
-from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.base import KVStore, Scatter, Segments, Status
 
 __all__ = ["MooncakeStore", "status_of"]
 
@@ -354,10 +354,14 @@ class MooncakeStore(KVStore):
         out: list[Status] = []
         start = 0
         bound = SHM_SEGMENTS_IN_FLIGHT if self.shared_memory else SEGMENTS_IN_FLIGHT
+        counts = segments.counts() if isinstance(segments, Scatter) else list(map(len, segments))
+        if sum(counts) <= bound:  # one call (the common case)
+            with self._transfer_lock:
+                return call(keys, segments)
         while start < len(keys):
             end, count = start, 0
-            while end < len(keys) and (end == start or count + len(segments[end]) <= bound):
-                count += len(segments[end])
+            while end < len(keys) and (end == start or count + counts[end] <= bound):
+                count += counts[end]
                 end += 1
             with self._transfer_lock:
                 out += call(keys[start:end], segments[start:end])
@@ -365,7 +369,7 @@ class MooncakeStore(KVStore):
         return out
 
     def _put_some(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
-        ptrs, sizes = _split(segments)
+        ptrs, sizes = _columns(segments)
         with self._using() as store:
             if store is None:
                 return [Status.UNAVAILABLE] * len(keys)
@@ -379,7 +383,7 @@ class MooncakeStore(KVStore):
         return self._statuses("put", keys, codes)
 
     def _get_some(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
-        ptrs, sizes = _split(segments)
+        ptrs, sizes = _columns(segments)
         with self._using() as store:
             if store is None:
                 return [Status.UNAVAILABLE] * len(keys)
@@ -393,8 +397,7 @@ class MooncakeStore(KVStore):
             if codes is None:
                 return [Status.UNAVAILABLE] * len(keys)
             out = []
-            for key, n, code in zip(keys, sizes, codes, strict=True):
-                expected = sum(n)
+            for key, expected, code in zip(keys, map(sum, sizes), codes, strict=True):
                 if code >= 0:
                     out.append(Status.OK if code == expected else Status.CORRUPT)
                 elif code in (-600, -800) and self._size_differs(store, key, expected):
@@ -467,6 +470,13 @@ class MooncakeStore(KVStore):
         if status is not Status.OK and status is not Status.MISSING:
             logger.debug("kvpool: Mooncake %s of %r returned %d (%s)", op, key, code, status.name)
         return status
+
+
+def _columns(segments: Sequence[Segments]) -> tuple[list[list[int]], list[list[int]]]:
+    """Addresses and sizes per object: a ``Scatter``'s own columns, else ``_split``."""
+    if isinstance(segments, Scatter):
+        return segments.addrs, segments.sizes
+    return _split(segments)
 
 
 def _split(segments: Sequence[Segments]) -> tuple[list[list[int]], list[list[int]]]:

@@ -8,7 +8,8 @@ registered buffer, none adjacent (slice ``j`` of every object lies in region
 ``j``, like one layer of a KV cache), through
 
 * ``kvpool``: ``FramedStore`` over ``MooncakeStore`` (header segment, checksum
-  if configured, status mapping), and
+  if configured, status mapping), given the segments as a ``Scatter`` (as
+  ``TransferEngine`` does), and
 * ``raw``: the same Mooncake client's ``batch_put_from_multi_buffers`` /
   ``batch_get_into_multi_buffers`` on the same segments,
 
@@ -33,7 +34,7 @@ import numpy.typing as npt
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
-from kvpool.store.base import Segment, Status
+from kvpool.store.base import Scatter, Segment, Status
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
 
@@ -167,11 +168,13 @@ def _bench_size(
     raw = store.raw
     nbytes = size * objects
     layout = _Layout(size, objects, segments)
-    put_segs = layout.scatter(src.ctypes.data)
-    get_segs = layout.scatter(dst.ctypes.data)
-    put_ptrs = [[a for a, _ in s] for s in put_segs]
-    get_ptrs = [[a for a, _ in s] for s in get_segs]
-    lens = [[n for _, n in s] for s in put_segs]
+    put_lists = layout.scatter(src.ctypes.data)
+    get_lists = layout.scatter(dst.ctypes.data)
+    put_ptrs = [[a for a, _ in s] for s in put_lists]
+    get_ptrs = [[a for a, _ in s] for s in get_lists]
+    lens = [[n for _, n in s] for s in put_lists]
+    put_segs = Scatter.from_lists(put_ptrs, lens)  # the form TransferEngine hands over
+    get_segs = Scatter.from_lists(get_ptrs, lens)
     times: dict[str, list[float]] = {k: [] for k in ("op", "og", "rp", "rg", "np")}
     failures = 0
 

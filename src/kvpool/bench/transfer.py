@@ -15,7 +15,8 @@ a chunk object is one block over all layers). Every repeat saves ``total //
 size`` chunks from randomly chosen blocks of the first cache with
 ``submit_save`` + ``wait`` (in jobs of ``job_bytes``, at most 1024 segments:
 ``job_size``), then loads them into other random blocks of the second cache
-with ``submit_load`` + ``wait``, through
+with ``submit_load`` + ``wait``, through (each on a pool client of its own, as
+a worker runs one of them)
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
 * ``kvpool+checksum``: the same with payload checksums (wsum64) written and verified,
@@ -414,6 +415,54 @@ def _split(segments: list[list[Segment]]) -> tuple[list[list[int]], list[list[in
     return [[a for a, _ in s] for s in segments], [[n for _, n in s] for s in segments]
 
 
+@dataclass(frozen=True, slots=True)
+class _Variant:
+    """One way of moving the bytes: engines on a pool client of its own."""
+
+    saver: TransferEngine
+    loader: TransferEngine
+    src: _KVCache
+    dst: _KVCache
+
+
+def _variant(
+    stack: contextlib.ExitStack,
+    config: PoolConfig,
+    shm: bool,
+    name: str,
+    src: _KVCache,
+    dst: _KVCache,
+    staging_bytes: int,
+) -> _Variant:
+    """The engines of variant ``name`` over a new ``FramedStore(MooncakeStore)``, as a
+    worker runs one of them (sharing a client between variants slowed the later
+    ones' Mooncake calls in one process by up to a third, measured; raw has its own).
+    Staged variants move the shared KV caches ``src`` and ``dst``; zero-copy ones
+    copies of them in memory their client reaches."""
+    checksum = name.endswith("+checksum")
+    framed = FramedStore(MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=checksum)
+    stack.callback(framed.close)
+    if not name.startswith("zero"):
+        saver = TransferEngine(framed, [src.layers], src.num_blocks, staging_bytes=staging_bytes)
+        stack.callback(saver.close)
+        loader = TransferEngine(framed, [dst.layers], dst.num_blocks,
+                                staging_bytes=staging_bytes, load_mode="staged")  # fmt: skip
+        stack.callback(loader.close)
+        return _Variant(saver, loader, src, dst)
+
+    def home(n: int) -> torch.Tensor | None:
+        return torch.from_numpy(framed.alloc_staging(n)) if shm else None
+
+    zsrc = _KVCache(src.shape, src.num_blocks, home(src.nbytes))
+    zsrc.bytes[:] = src.bytes
+    zdst = _KVCache(dst.shape, dst.num_blocks, home(dst.nbytes))
+    zsaver = TransferEngine(framed, [zsrc.layers], zsrc.num_blocks, zero_copy=True)
+    stack.callback(zsaver.close)
+    zloader = TransferEngine(framed, [zdst.layers], zdst.num_blocks, zero_copy=True)
+    stack.callback(zloader.close)
+    return _Variant(zsaver, zloader, zsrc, zdst)
+
+
 def _bench_size(
     config: PoolConfig,
     path: str,
@@ -436,9 +485,6 @@ def _bench_size(
     copies: list[float] = []
     shm = path == "shm"
     with contextlib.ExitStack() as stack:
-        inner = MooncakeStore(config, shared_memory=shm)
-        framed = FramedStore(inner, _BENCH_FP, checksum=False)
-        stack.callback(framed.close)
         raw_store = MooncakeStore(config, shared_memory=shm)
         stack.callback(raw_store.close)
         # Raw puts and gets need memory their client can use: the KV caches themselves
@@ -455,22 +501,13 @@ def _bench_size(
             raw_src, raw_dst = src, dst
             raw_store.register_memory(src.base, src.nbytes)
             raw_store.register_memory(dst.base, dst.nbytes)
-        saver = TransferEngine(framed, [src.layers], objects, staging_bytes=staging_bytes)
-        stack.callback(saver.close)
-        loader = TransferEngine(
-            framed, [dst.layers], objects, staging_bytes=staging_bytes, load_mode="staged"
-        )
-        stack.callback(loader.close)
-        # Zero copy: KV caches of their own, in memory the framed store's client reaches.
-        home = (lambda n: torch.from_numpy(framed.alloc_staging(n))) if shm else None
-        zsrc = _KVCache(shape, objects, home(src.nbytes) if home else None)
-        zsrc.bytes[:] = src.bytes
-        zdst = _KVCache(shape, objects, home(dst.nbytes) if home else None)
-        zsaver = TransferEngine(framed, [zsrc.layers], objects, zero_copy=True)
-        stack.callback(zsaver.close)
-        zloader = TransferEngine(framed, [zdst.layers], objects, zero_copy=True)
-        stack.callback(zloader.close)
-        transport = "shared memory" if inner.shared_memory else config.protocol
+        ways = {
+            name: _variant(stack, config, shm, name, src, dst, staging_bytes)
+            for name in VARIANTS
+            if name != "raw"
+        }
+        transport = "shared memory" if raw_store.shared_memory else config.protocol
+        load_mode = ways["kvpool"].loader.load_mode
         for rep in range(repeats + 1):  # repeat 0 warms up and verifies; not counted
             src_ids = rng.permutation(objects).astype(np.int64)
             dst_ids = rng.permutation(objects).astype(np.int64)
@@ -483,19 +520,16 @@ def _bench_size(
                 keys = [f"kvpool-bench/transfer/{tag}/{name}/{i}" for i in range(objects)]
                 all_keys += keys
                 t = times[name]
-                pair = {"raw": (raw_src, raw_dst), "kvpool": (src, dst)}.get(
-                    name.split("+")[0], (zsrc, zdst)
-                )
+                way = ways.get(name)
+                pair = (raw_src, raw_dst) if way is None else (way.src, way.dst)
                 if rep == 0:
                     pair[1].flat.zero_()
-                if name == "raw":
+                if way is None:
                     t_save, t_load, ok = _raw_round(raw_store.raw, keys, put, get, size, jobs)
                     t_submit = None
                 else:
-                    framed.checksum = framed.verify = name.endswith("+checksum")
-                    engines = (zsaver, zloader) if name.startswith("zero") else (saver, loader)
                     t_save, t_submit, t_load, ok = _engine_round(
-                        *engines, keys, src_ids, dst_ids, jobs
+                        way.saver, way.loader, keys, src_ids, dst_ids, jobs
                     )
                 if rep == 0:
                     ok &= pair[1].equal(dst_ids, pair[0], src_ids)
@@ -510,11 +544,10 @@ def _bench_size(
             np.copyto(copy_dst, src.bytes)
             if rep:
                 copies.append(time.perf_counter() - start)
-            removed = framed.batch_remove(all_keys, force=True)
+            removed = raw_store.batch_remove(all_keys, force=True)
             if Status.UNAVAILABLE in removed:
                 raise StoreError(f"the pool at {config.master_address} stopped answering")
             tick()
-        load_mode = loader.load_mode
     return SizeResult(
         path=path,
         transport=transport,

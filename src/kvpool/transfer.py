@@ -674,45 +674,55 @@ class TransferEngine:
         statuses: dict[str, Status] = {}
         put: list[Status] = []
         nbytes = 0
+        ok, exists = Status.OK, Status.EXISTS
         for lo, hi in job.pieces:
             if not self._wait_staged(job, hi):
                 with self._counting():
                     self._stats.saves_refused["staging_error"] += 1
                 job.skipped += len(job.chunks) - lo
                 break
-            for i in range(lo, hi):
-                if job.exists[i] is Status.OK:
-                    statuses[job.chunks[i].key] = Status.EXISTS
-            todo = [i for i in range(lo, hi) if job.exists[i] is not Status.OK]
-            if not todo:
-                continue
-            keys = [job.chunks[i].key for i in todo]
-            sizes = [self._object_nbytes(job.chunks[i]) for i in todo]
+            if ok in job.exists[lo:hi]:  # some exist: skip those (C-level test first)
+                for i in range(lo, hi):
+                    if job.exists[i] is ok:
+                        statuses[job.chunks[i].key] = exists
+                todo = [i for i in range(lo, hi) if job.exists[i] is not ok]
+                if not todo:
+                    continue
+                chunks = [job.chunks[i] for i in todo]
+            else:
+                todo, chunks = list(range(lo, hi)), job.chunks[lo:hi]
+            keys = [c.key for c in chunks]
+            sizes = self._sizes(chunks)
             if self.zero_copy:
-                segs = self._kv_segments([job.chunks[i] for i in todo])
+                segs = self._kv_segments(chunks)
             else:
                 base = self._staging_base
                 segs = Scatter([[base + job.offsets[i]] for i in todo], [[n] for n in sizes])
             got = self.store.batch_put(keys, segs)
-            for key, n, st in zip(keys, sizes, got, strict=True):
-                statuses[key] = st
-                nbytes += n if st.stored else 0
+            statuses.update(zip(keys, got, strict=True))
+            if got.count(ok) + got.count(exists) == len(got):
+                nbytes += sum(sizes)
+            else:
+                nbytes += sum(n for n, st in zip(sizes, got, strict=True) if st.stored)
             put += got
-        self._remember(k for k, s in statuses.items() if s.stored)
-        trouble = [
+        stored = put.count(ok) + put.count(exists)
+        self._remember(
+            statuses if stored == len(put) else (k for k, s in statuses.items() if s.stored)
+        )
+        trouble = [] if stored == len(put) else [
             s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
-        ]
+        ]  # fmt: skip
         if trouble:
             self._enter_backpressure(trouble[0])
         elif put:
             self._backoff_next = self._backoff[0]
+        skipped_exist = list(statuses.values()).count(exists)
         with self._counting():
-            self._stats.chunks_skipped_exist += sum(
-                1 for s in statuses.values() if s is Status.EXISTS
-            )
-            self._stats.chunks_put += sum(1 for s in put if s.stored)
+            self._stats.chunks_skipped_exist += skipped_exist
+            self._stats.chunks_put += stored
             self._stats.bytes_put += nbytes
-            self._stats.failures.update(s.value for s in put if not s.stored)
+            if stored != len(put):
+                self._stats.failures.update(s.value for s in put if not s.stored)
         self._finish(job, statuses, nbytes)
 
     def _wait_staged(self, job: _Job, hi: int) -> bool:
@@ -799,6 +809,10 @@ class TransferEngine:
 
     def _settle_load(self, job: _Job, statuses: dict[str, Status]) -> None:
         """Remember what loaded, forget and remove (if corrupt) what did not, publish."""
+        if list(statuses.values()).count(Status.OK) == len(statuses):  # the common case
+            self._remember(statuses)
+            self._finish_load(job, statuses)
+            return
         self._remember(k for k, s in statuses.items() if s.ok)
         bad = [k for k, s in statuses.items() if not s.ok]
         self.forget(bad)
@@ -826,6 +840,17 @@ class TransferEngine:
 
     def _object_nbytes(self, c: ChunkRef) -> int:
         return self.groups[c.group].object_nbytes(len(c.block_ids))
+
+    def _sizes(self, chunks: Sequence[ChunkRef]) -> list[int]:
+        """``_object_nbytes`` of each chunk (one computation when all are alike)."""
+        if not chunks:
+            return []
+        first = chunks[0]
+        n = self._object_nbytes(first)
+        g, b = first.group, len(first.block_ids)
+        if all(c.group == g and len(c.block_ids) == b for c in chunks):
+            return [n] * len(chunks)
+        return [self._object_nbytes(c) for c in chunks]
 
     def _remember(self, keys: Iterable[str]) -> None:
         with self._known_lock:
@@ -864,7 +889,7 @@ class TransferEngine:
         if job.staging is not None:
             self._arena.free(job.staging)
             job.staging = None
-        skipped = job.skipped + sum(1 for s in statuses.values() if s is Status.EXISTS)
+        skipped = job.skipped + list(statuses.values()).count(Status.EXISTS)
         self._publish(
             JobResult(
                 job.job_id,
@@ -888,19 +913,23 @@ class TransferEngine:
         job.reported = True
         with self._done_cond:
             self._pending_loads.pop(id(job), None)
-        failed = [c.chunk for c in job.chunks if not statuses[c.key].ok]
         invalid: set[int] = set()
-        if failed:
+        all_ok = list(statuses.values()).count(Status.OK) == len(statuses)
+        if all_ok:
+            ok_chunks: Sequence[ChunkRef] = job.chunks
+        else:
+            failed = [c.chunk for c in job.chunks if not statuses[c.key].ok]
             first = min(failed)
             for c in job.chunks:
                 if c.chunk >= first:
                     invalid.update(c.block_ids)
-        ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
-        nbytes = sum(self._object_nbytes(c) for c in ok_chunks)
+            ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
+        nbytes = sum(self._sizes(ok_chunks))
         with self._counting():
             self._stats.chunks_loaded += len(ok_chunks)
             self._stats.bytes_loaded += nbytes
-            self._stats.failures.update(s.value for s in statuses.values() if not s.ok)
+            if not all_ok:
+                self._stats.failures.update(s.value for s in statuses.values() if not s.ok)
         self._publish(
             JobResult(
                 job.job_id,

@@ -56,8 +56,11 @@ Guarantees:
 
 The caller decides which chunks this rank writes (``layout.Layout.writes``);
 chunks whose keys were stored (or loaded) recently are skipped without a store
-round trip, the rest are checked with one ``batch_exists`` before the put (not
-in zero copy: there a duplicate put reports OK, or EXISTS where the store tells).
+round trip; the rest are put without asking first. A duplicate put keeps the old
+value and reports OK (Mooncake) or EXISTS (stores that tell); Mooncake moves no
+bytes for it and answers as fast as an exists check would (0.2 ms for 16 MiB of
+duplicates against 8.4 ms for new objects over TCP, measured), so a check before
+every put cost more than it saved (staged shared-memory saves: 10-25 %).
 """
 
 from __future__ import annotations
@@ -121,9 +124,9 @@ class TransferStats:
 
     saves_submitted: int = 0
     saves_refused: Counter[str] = field(default_factory=Counter)  # reason -> jobs
-    chunks_put: int = 0
+    chunks_put: int = 0  # put OK (on Mooncake also duplicates, which it cannot tell)
     chunks_skipped_known: int = 0
-    chunks_skipped_exist: int = 0
+    chunks_skipped_exist: int = 0  # put reported EXISTS (stores that tell)
     bytes_put: int = 0
     loads_submitted: int = 0
     chunks_loaded: int = 0
@@ -220,11 +223,9 @@ class _Job:
     known: list[str] = field(default_factory=list)  # saves: keys skipped as stored recently
     pieces: list[tuple[int, int]] = field(default_factory=list)  # chunk ranges moved together
     # Saves: chunks staged so far (the caller gathers piece by piece while the put
-    # thread waits on ``TransferEngine._stage_cond``), whether staging failed, and
-    # the answer of ``batch_exists``.
+    # thread waits on ``TransferEngine._stage_cond``), and whether staging failed.
     staged: int = 0
     stage_failed: bool = False
-    exists: list[Status] = field(default_factory=list)
     # Staged loads: statuses of the pieces copied so far, and the first failed chunk.
     got: dict[str, Status] = field(default_factory=dict)
     first_failed: int | None = None
@@ -383,7 +384,7 @@ class TransferEngine:
         job.staging = start
         job.offsets = [start + o for o in offsets]
         job.pieces = self._pieces(job.chunks)
-        try:  # queued before the gather, so its exists check overlaps the copy
+        try:  # queued before the gather: its first put starts once the first piece is in
             self._save_q.put_nowait(job)
         except queue.Full:
             return self._refuse(job, "queue_full")
@@ -642,7 +643,7 @@ class TransferEngine:
     # -- background threads -------------------------------------------------------
 
     def _loop(self, q: queue.Queue[_Job | None]) -> None:
-        """Saves (exists check, then puts) and loads, stage 1 (gets)."""
+        """Saves (puts) and loads, stage 1 (gets)."""
         while (job := q.get()) is not None:
             try:
                 if job.kind == "save":
@@ -661,16 +662,7 @@ class TransferEngine:
             self._scatter_q.put(None)
 
     def _run_save(self, job: _Job) -> None:
-        """Put each piece once the caller has staged it; chunks that exist are skipped.
-
-        The job was queued before its gather began, so the exists check overlaps it.
-        Zero-copy saves skip the check: nothing would hide its round trip (20 % of a
-        save on shared memory), and Mooncake moves no bytes for a duplicate put.
-        """
-        if self.zero_copy:
-            job.exists = [Status.MISSING] * len(job.chunks)
-        else:
-            job.exists = self.store.batch_exists([c.key for c in job.chunks])
+        """Put each piece once the caller has staged it (zero copy: straight away)."""
         statuses: dict[str, Status] = {}
         put: list[Status] = []
         nbytes = 0
@@ -681,47 +673,38 @@ class TransferEngine:
                     self._stats.saves_refused["staging_error"] += 1
                 job.skipped += len(job.chunks) - lo
                 break
-            if ok in job.exists[lo:hi]:  # some exist: skip those (C-level test first)
-                for i in range(lo, hi):
-                    if job.exists[i] is ok:
-                        statuses[job.chunks[i].key] = exists
-                todo = [i for i in range(lo, hi) if job.exists[i] is not ok]
-                if not todo:
-                    continue
-                chunks = [job.chunks[i] for i in todo]
-            else:
-                todo, chunks = list(range(lo, hi)), job.chunks[lo:hi]
+            chunks = job.chunks[lo:hi]
             keys = [c.key for c in chunks]
             sizes = self._sizes(chunks)
             if self.zero_copy:
                 segs = self._kv_segments(chunks)
             else:
-                base = self._staging_base
-                segs = Scatter([[base + job.offsets[i]] for i in todo], [[n] for n in sizes])
+                at = job.offsets[lo:hi]
+                segs = Scatter([[self._staging_base + a] for a in at], [[n] for n in sizes])
             got = self.store.batch_put(keys, segs)
             statuses.update(zip(keys, got, strict=True))
-            if got.count(ok) + got.count(exists) == len(got):
+            if got.count(ok) == len(got):
                 nbytes += sum(sizes)
             else:
-                nbytes += sum(n for n, st in zip(sizes, got, strict=True) if st.stored)
+                nbytes += sum(n for n, st in zip(sizes, got, strict=True) if st is ok)
             put += got
-        stored = put.count(ok) + put.count(exists)
-        self._remember(
-            statuses if stored == len(put) else (k for k, s in statuses.items() if s.stored)
-        )
-        trouble = [] if stored == len(put) else [
+        done, dup = put.count(ok), put.count(exists)
+        if done + dup == len(put):
+            self._remember(statuses)
+        else:
+            self._remember(k for k, s in statuses.items() if s.stored)
+        trouble = [] if done + dup == len(put) else [
             s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
         ]  # fmt: skip
         if trouble:
             self._enter_backpressure(trouble[0])
         elif put:
             self._backoff_next = self._backoff[0]
-        skipped_exist = list(statuses.values()).count(exists)
         with self._counting():
-            self._stats.chunks_skipped_exist += skipped_exist
-            self._stats.chunks_put += stored
+            self._stats.chunks_skipped_exist += dup
+            self._stats.chunks_put += done
             self._stats.bytes_put += nbytes
-            if stored != len(put):
+            if done + dup != len(put):
                 self._stats.failures.update(s.value for s in put if not s.stored)
         self._finish(job, statuses, nbytes)
 

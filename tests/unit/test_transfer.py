@@ -225,6 +225,34 @@ def test_blocks_reused_after_submit_do_not_change_what_is_stored(store: KVStore)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_a_chunk_another_engine_stored_keeps_its_bytes_and_counts_as_existing(
+    store: KVStore, zero_copy: bool
+) -> None:
+    """No exists check before a put: the duplicate put itself keeps the old value."""
+    first, second = cpu_layers(2), cpu_layers(2)
+    randomize(first, 5)
+    randomize(second, 6)
+    a = engine(store, first)
+    a.submit_save("a", [ChunkRef("shared", 0, 0, (1,))])
+    assert a.wait(["a"], timeout=30)[0].ok
+    b = engine(store, second, zero_copy=zero_copy)  # a fresh engine: the key is not known
+    b.submit_save("b", [ChunkRef("shared", 0, 0, (2,)), ChunkRef("new", 0, 1, (3,))])
+    (res,) = b.wait(["b"], timeout=30)
+    assert res.statuses == {"shared": Status.EXISTS, "new": Status.OK} and res.skipped == 1
+    stats = b.stats()
+    assert (stats.chunks_put, stats.chunks_skipped_exist) == (1, 1)
+    assert stats.bytes_put == b.groups[0].object_nbytes(1)
+    out = cpu_layers(2)
+    reader = engine(store, out)
+    reader.submit_load("l", [ChunkRef("shared", 0, 0, (4,))])
+    assert reader.wait(["l"], timeout=30)[0].ok
+    for x, y in zip(blocks_of(first, [1]), blocks_of(out, [4]), strict=True):
+        assert torch.equal(x, y)  # the first engine's bytes, not the second's
+    for e in (a, b, reader):
+        e.close()
+
+
 def test_missing_chunk_invalidates_it_and_every_later_chunk(store: KVStore) -> None:
     src = cpu_layers(1)
     randomize(src, 5)

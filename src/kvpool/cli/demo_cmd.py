@@ -69,7 +69,7 @@ def demo_tables(report: DemoReport) -> Group:
         str(report.warm.get("hit_tokens", 0)),
     )
     s.add_row(
-        "bytes saved to the pool",
+        "bytes put (incl. chunks already there)",
         _mib(report.cold.get("bytes_saved", 0)),
         _mib(report.warm.get("bytes_saved", 0)),
     )

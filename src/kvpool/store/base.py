@@ -68,7 +68,9 @@ __all__ = [
     "Segment",
     "Segments",
     "Status",
+    "take",
     "total_size",
+    "totals",
 ]
 
 logger = logging.getLogger(__name__)
@@ -143,9 +145,6 @@ class Scatter(Sequence[list[Segment]]):
         """The objects at ``indices``, in that order."""
         return Scatter([self.addrs[i] for i in indices], [self.sizes[i] for i in indices])
 
-    def __add__(self, other: Scatter) -> Scatter:
-        return Scatter(self.addrs + other.addrs, self.sizes + other.sizes)
-
     def totals(self) -> list[int]:
         """Bytes per object."""
         return list(map(sum, self.sizes))
@@ -200,6 +199,20 @@ def total_size(segments: Segments) -> int:
 
 
 _TUPLE, _INT, _PAIR = {tuple}, {int}, {2}
+
+
+def totals(segments: Sequence[Segments]) -> list[int]:
+    """Bytes per object of a batch (a ``Scatter`` or plain scatter lists)."""
+    if isinstance(segments, Scatter):
+        return segments.totals()
+    return [total_size(p) for p in segments]
+
+
+def take(segments: Sequence[Segments], indices: Sequence[int]) -> Sequence[Segments]:
+    """The objects of a batch at ``indices``, in the form the batch came in."""
+    if isinstance(segments, Scatter):
+        return segments.take(indices)
+    return [segments[i] for i in indices]
 
 
 def _plainly_valid(segments: list[Any] | tuple[Any, ...]) -> bool:
@@ -453,14 +466,8 @@ class KVStore(abc.ABC):
         if not any(problems):  # the common case: slices, no copies per key
             out: list[Status] = []
             for start in range(0, len(keys), n):
-                ks = keys[start : start + n]
                 ss: Sequence[Segments] = () if segments is None else segments[start : start + n]
-                results = op(ks, ss)
-                if len(results) != len(ks):
-                    raise RuntimeError(
-                        f"{type(self).__name__} returned {len(results)} results for {len(ks)} keys"
-                    )
-                out += results
+                out += self._call(op, keys[start : start + n], ss)
             return out
         out = [Status.INVALID] * len(keys)
         todo = []
@@ -470,22 +477,25 @@ class KVStore(abc.ABC):
             else:
                 _report(problem)
         for part in _chunks(todo, n):
-            ks = [keys[i] for i in part]
-            ss = () if segments is None else _take(segments, part)
-            results = op(ks, ss)
-            if len(results) != len(part):
-                raise RuntimeError(
-                    f"{type(self).__name__} returned {len(results)} results for {len(part)} keys"
-                )
+            ss = () if segments is None else take(segments, part)
+            results = self._call(op, [keys[i] for i in part], ss)
             for i, status in zip(part, results, strict=True):
                 out[i] = status
         return out
 
-
-def _take(segments: Sequence[Segments], indices: list[int]) -> Sequence[Segments]:
-    if isinstance(segments, Scatter):
-        return segments.take(indices)
-    return [segments[i] for i in indices]
+    def _call(
+        self,
+        op: Callable[[Sequence[str], Sequence[Segments]], list[Status]],
+        keys: Sequence[str],
+        segments: Sequence[Segments],
+    ) -> list[Status]:
+        """``op`` on one sub-batch; a backend that miscounts its answers is a bug."""
+        results = op(keys, segments)
+        if len(results) != len(keys):
+            raise RuntimeError(
+                f"{type(self).__name__} returned {len(results)} results for {len(keys)} keys"
+            )
+        return results
 
 
 def _chunks(items: list[int], n: int) -> Iterator[list[int]]:

@@ -43,7 +43,7 @@ from kvpool.header import (
     fingerprint_bytes,
     unpack,
 )
-from kvpool.store.base import KVStore, Scatter, Segments, Status, total_size
+from kvpool.store.base import KVStore, Scatter, Segments, Status, take, totals
 
 __all__ = ["FramedStore"]
 
@@ -158,7 +158,7 @@ class FramedStore(KVStore):
             # Checksums and headers of the whole batch at once (header.batch_checksums,
             # header.HeaderTable).
             sums = batch_checksums(segments) if self.checksum else None
-            self._table.pack_rows(slots, self.fingerprint, keys, _totals(segments), sums)
+            self._table.pack_rows(slots, self.fingerprint, keys, totals(segments), sums)
             return self._inner(self.inner._put, keys, self._frames(slots, segments, copy_in=True))
         finally:
             self._release(slots)
@@ -176,12 +176,12 @@ class FramedStore(KVStore):
             if len(got) == len(keys):
                 payloads, rows, got_keys = segments, slots, keys
             else:
-                payloads = _take(segments, got)
+                payloads = take(segments, got)
                 rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
             if self.inline_bytes:
                 self._copy_out(rows, payloads)
             sums = batch_checksums(payloads) if self.verify else None
-            lengths = _totals(payloads)
+            lengths = totals(payloads)
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
@@ -203,35 +203,34 @@ class FramedStore(KVStore):
         valid by construction, and batches fit ``inner.max_batch``."""
         if self.inner.closed:
             return [Status.UNAVAILABLE] * len(keys)
-        out = op(keys, framed)
-        if len(out) != len(keys):
-            raise RuntimeError(f"{type(self.inner).__name__} returned {len(out)} results")
-        return out
+        return self.inner._call(op, keys, framed)
 
     def _failure(self, key: str, length: int, slot: int, checksum: int | None) -> CheckFailure:
         """Why the header in ``slot`` failed ``HeaderTable.valid_rows`` (the slow path)."""
         header = unpack(self._view, slot * self._slot_bytes)
         return check(header, self.fingerprint, key, length, checksum) or CheckFailure.CHECKSUM
 
+    def _inlined(self, n: int) -> bool:
+        """Whether a first payload segment of ``n`` bytes travels in the header's slot."""
+        return 0 < n <= self.inline_bytes
+
     def _frames(
         self, slots: list[int], payloads: Sequence[Segments], copy_in: bool = False
     ) -> Sequence[Segments]:
         """The scatter lists of the whole objects: header (and an inlined first payload
-        segment, copied into the slot first when ``copy_in``), then the payload.
-
-        A first segment of at most ``inline_bytes`` travels in the header's slot."""
+        segment, copied into the slot first when ``copy_in``), then the payload."""
         if not isinstance(payloads, Scatter):  # plain lists: the inner store merges them
             return [self._frame(s, p, copy_in) for s, p in zip(slots, payloads, strict=True)]
         heads = [self._base + slot * self._slot_bytes for slot in slots]
-        cols, inline, hs = payloads, self.inline_bytes, HEADER_SIZE
-        if not inline or min(map(_first, cols.sizes)) > inline:  # no inlining: columns
+        cols, hs = payloads, HEADER_SIZE
+        if not self.inline_bytes or not any(map(self._inlined, map(_first, cols.sizes))):
             return Scatter(
                 [[h, *a] for h, a in zip(heads, cols.addrs, strict=True)],
                 [[hs, *n] for n in cols.sizes],
             )
         addrs, sizes = [], []
         for h, a, n in zip(heads, cols.addrs, cols.sizes, strict=True):
-            if 0 < n[0] <= inline:
+            if self._inlined(n[0]):
                 if copy_in:
                     ctypes.memmove(h + hs, a[0], n[0])
                 addrs.append([h, *a[1:]])
@@ -245,7 +244,7 @@ class FramedStore(KVStore):
         """``_frames`` of one plain scatter list."""
         addr = self._base + slot * self._slot_bytes
         n = payload[0][1]
-        if not 0 < n <= self.inline_bytes:
+        if not self._inlined(n):
             return [(addr, HEADER_SIZE), *payload]
         if copy_in:
             ctypes.memmove(addr + HEADER_SIZE, payload[0][0], n)
@@ -258,9 +257,8 @@ class FramedStore(KVStore):
             firsts = list(zip(addrs, sizes, strict=True))
         else:
             firsts = [p[0] for p in payloads]
-        inline = self.inline_bytes
         for slot, (a, n) in zip(slots, firsts, strict=True):
-            if 0 < n <= inline:
+            if self._inlined(n):
                 ctypes.memmove(a, self._base + slot * self._slot_bytes + HEADER_SIZE, n)
 
     def _reject(self, key: str, failure: CheckFailure) -> None:
@@ -287,15 +285,3 @@ class FramedStore(KVStore):
         with self._cond:
             self._free.extend(slots)
             self._cond.notify_all()
-
-
-def _totals(payloads: Sequence[Segments]) -> list[int]:
-    if isinstance(payloads, Scatter):
-        return payloads.totals()
-    return [total_size(p) for p in payloads]
-
-
-def _take(payloads: Sequence[Segments], indices: list[int]) -> Sequence[Segments]:
-    if isinstance(payloads, Scatter):
-        return payloads.take(indices)
-    return [payloads[i] for i in indices]

@@ -679,8 +679,7 @@ class TransferEngine:
             if self.zero_copy:
                 segs = self._kv_segments(chunks)
             else:
-                at = job.offsets[lo:hi]
-                segs = Scatter([[self._staging_base + a] for a in at], [[n] for n in sizes])
+                segs = self._staged(job.offsets[lo:hi], sizes)
             got = self.store.batch_put(keys, segs)
             statuses.update(zip(keys, got, strict=True))
             if got.count(ok) == len(got):
@@ -689,22 +688,19 @@ class TransferEngine:
                 nbytes += sum(n for n, st in zip(sizes, got, strict=True) if st is ok)
             put += got
         done, dup = put.count(ok), put.count(exists)
-        if done + dup == len(put):
-            self._remember(statuses)
-        else:
-            self._remember(k for k, s in statuses.items() if s.stored)
-        trouble = [] if done + dup == len(put) else [
-            s for s in put if s in (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
-        ]  # fmt: skip
-        if trouble:
-            self._enter_backpressure(trouble[0])
+        clean = done + dup == len(put)  # every put stored: no per-chunk pass below
+        self._remember(statuses if clean else (k for k, s in statuses.items() if s.stored))
+        pressing = (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
+        trouble = None if clean else next((s for s in put if s in pressing), None)
+        if trouble is not None:
+            self._enter_backpressure(trouble)
         elif put:
             self._backoff_next = self._backoff[0]
         with self._counting():
             self._stats.chunks_skipped_exist += dup
             self._stats.chunks_put += done
             self._stats.bytes_put += nbytes
-            if done + dup != len(put):
+            if not clean:
                 self._stats.failures.update(s.value for s in put if not s.stored)
         self._finish(job, statuses, nbytes)
 
@@ -742,11 +738,7 @@ class TransferEngine:
             if job.is_reported():  # abandoned: fetch nothing more, let the scatter free
                 piece.statuses = [Status.TIMED_OUT] * (hi - lo)
             else:
-                base = self._staging_base
-                segs = Scatter(
-                    [[base + job.offsets[i]] for i in range(lo, hi)],
-                    [[self._object_nbytes(job.chunks[i])] for i in range(lo, hi)],
-                )
+                segs = self._staged(job.offsets[lo:hi], self._sizes(job.chunks[lo:hi]))
                 t0 = time.perf_counter()
                 try:
                     piece.statuses = self.store.batch_get(keys[lo:hi], segs)
@@ -792,7 +784,7 @@ class TransferEngine:
 
     def _settle_load(self, job: _Job, statuses: dict[str, Status]) -> None:
         """Remember what loaded, forget and remove (if corrupt) what did not, publish."""
-        if list(statuses.values()).count(Status.OK) == len(statuses):  # the common case
+        if _all_ok(statuses):  # the common case
             self._remember(statuses)
             self._finish_load(job, statuses)
             return
@@ -823,6 +815,11 @@ class TransferEngine:
 
     def _object_nbytes(self, c: ChunkRef) -> int:
         return self.groups[c.group].object_nbytes(len(c.block_ids))
+
+    def _staged(self, offsets: Sequence[int], sizes: Sequence[int]) -> Scatter:
+        """One-segment objects at ``offsets`` (absolute, in the arena) of staging."""
+        base = self._staging_base
+        return Scatter([[base + o] for o in offsets], [[n] for n in sizes])
 
     def _sizes(self, chunks: Sequence[ChunkRef]) -> list[int]:
         """``_object_nbytes`` of each chunk (one computation when all are alike)."""
@@ -897,7 +894,7 @@ class TransferEngine:
         with self._done_cond:
             self._pending_loads.pop(id(job), None)
         invalid: set[int] = set()
-        all_ok = list(statuses.values()).count(Status.OK) == len(statuses)
+        all_ok = _all_ok(statuses)
         if all_ok:
             ok_chunks: Sequence[ChunkRef] = job.chunks
         else:
@@ -929,3 +926,8 @@ class TransferEngine:
         with self._done_cond:
             self._done.append(result)
             self._done_cond.notify_all()
+
+
+def _all_ok(statuses: dict[str, Status]) -> bool:
+    """Every key OK (one C-level count, not a property call per key)."""
+    return list(statuses.values()).count(Status.OK) == len(statuses)

@@ -6,7 +6,7 @@
     check(h, fp, key, n, cs)       None if ``h`` describes this object, else the
                                    ``CheckFailure`` naming the first bad field
     payload_checksum(segments)     the payload checksum over a scatter list, read in place
-    batch_checksums(payloads)      the same for many payloads, a few numpy calls per batch
+    batch_checksums(payloads)      the same for many payloads
     key_digest(key)                xxh3-64 of the key's UTF-8
     HeaderTable(buffer, stride)    the headers at offsets 0, stride, 2*stride, ... of a
                                    buffer, packed (``pack_rows``) and checked
@@ -22,31 +22,30 @@ Layout (little-endian, offsets in bytes)::
      8  fingerprint  8s   config fingerprint of the key space
     16  key digest   u64  xxh3-64 of the key
     24  payload len  u64  bytes after the header
-    32  checksum     u64  wsum64 of the payload, 0 when bit 0 is clear
+    32  checksum     u64  xxh3-64 of the payload, 0 when bit 0 is clear
     40  reserved     24s  zero
 
 A header that fails ``check`` means the bytes are not this object: the reader
 treats it as a miss, never loads it. Pure: no I/O; reading memory at an
 address is the only unsafe thing here, and only the checksum functions do it.
 
-wsum64: the payload, zero-padded to whole 64-bit little-endian words ``w_i``,
-sums to ``sum(w_i * K_i) mod 2**64`` with odd weights ``K_i = splitmix64(i) | 1``.
-Any one flipped bit changes it. It is a matrix product in numpy, so a batch of
-objects costs one call that releases the GIL once: per-object hashing (xxh3)
-ran 25-150x slower in vLLM's process, where a busy engine thread makes every
-GIL hand-off wait a full switch interval (measured: 89 objects of 1 MiB, 3 ms
-alone, 80-475 ms next to a busy thread; one matrix product, 10 ms).
+The checksum is xxh3-64 of the payload (the concatenation of its scatter
+list), hashed in place in slices of at most 64 KiB. xxhash holds the GIL for
+such a slice (a few us) and releases it for bigger ones; a thread that releases
+the GIL waits a full switch interval (5 ms) to get it back whenever another
+thread runs Python, so per-call releases starved the hashing thread next to a
+busy engine thread (measured, 16 MiB in 64 objects of 256 KiB: 0.75 ms alone,
+147 ms next to a thread spinning in Python). Format 1 used a weighted word sum
+in numpy (wsum64): half as fast, and its per-segment calls released the GIL.
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
-import os
 import struct
-import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +73,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVPL"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the checksum is xxh3-64 (1: wsum64)
 FLAG_CHECKSUM = 0x0001
 _KNOWN_FLAGS = FLAG_CHECKSUM
 _STRUCT = struct.Struct("<4sHH8sQQQ24s")
@@ -126,141 +125,45 @@ def key_digest(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-_WEIGHTS = np.zeros(0, dtype=np.uint64)
-_WEIGHTS_LOCK = threading.Lock()
+# xxhash releases the GIL for an update of more than 64 KiB and holds it for a
+# smaller one (XXHASH_GIL_MINSIZE). A thread that releases the GIL waits a whole
+# switch interval (5 ms) to get it back from a thread running Python, so payloads
+# are hashed in slices of at most this size: a few us per call with the GIL held.
+_SLICE = 64 << 10
+# ... and a batch lets other threads in after about this much (~0.15 ms of hashing):
+# an engine thread waiting for the GIL waits at most that long, and the hashing
+# thread pays one hand-off per step, not one per slice.
+_YIELD_BYTES = 8 << 20
 
 
-def _weights(n: int) -> npt.NDArray[np.uint64]:
-    """The first ``n`` wsum64 weights (splitmix64 of the word index, made odd)."""
-    global _WEIGHTS
-    if len(_WEIGHTS) < n:
-        with _WEIGHTS_LOCK, np.errstate(over="ignore"):
-            size = max(n, 2 * len(_WEIGHTS), 1 << 16)
-            x = (np.arange(size, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-            x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            _WEIGHTS = (x ^ (x >> np.uint64(31))) | np.uint64(1)
-    return _WEIGHTS[:n]
-
-
-def _words(addr: int, size: int) -> npt.NDArray[np.uint64]:
-    """The payload at ``addr`` as 64-bit words (copied and zero-padded if needed)."""
-    raw = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(addr))
-    if size % 8 or addr % 8:
-        padded = np.zeros(-(-size // 8) * 8, dtype=np.uint8)
-        padded[:size] = raw
-        raw = padded
-    return raw.view(np.uint64)
+def _update(h: xxhash.xxh3_64, addr: int, size: int) -> None:
+    view = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+    for off in range(0, size, _SLICE):
+        h.update(view[off : off + _SLICE])
 
 
 def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
-    """wsum64 over a scatter list of ``(address, size)``: of their concatenation."""
-    sizes = [size for _, size in segments if size]
-    if len(sizes) > 1 and any(s % 8 for s in sizes[:-1]):  # words straddle segments
-        data = np.concatenate(
-            [np.ctypeslib.as_array((ctypes.c_uint8 * s).from_address(a)) for a, s in segments if s]
-        )
-        return payload_checksum([(data.ctypes.data, data.nbytes)])
-    total, pos = 0, 0
-    with np.errstate(over="ignore"):
-        for addr, size in segments:
-            if size:
-                w = _words(addr, size)
-                total += int(np.dot(w, _weights(pos + len(w))[pos:]))
-                pos += len(w)
-    return total % (1 << 64)
+    """xxh3-64 of the concatenation of a scatter list of ``(address, size)``, read in place."""
+    if len(segments) == 1 and 0 < segments[0][1] <= _SLICE:
+        addr, size = segments[0]
+        return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(addr))
+    h = xxhash.xxh3_64()
+    for addr, size in segments:
+        if size:
+            _update(h, addr, size)
+    return h.intdigest()
 
 
-_PARALLEL_BYTES = 8 << 20  # a run this big is summed on two threads
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _row_sums(
-    rows: npt.NDArray[np.uint64], weights: npt.NDArray[np.uint64]
-) -> npt.NDArray[np.uint64]:
-    """``rows @ weights`` mod 2**64. ``np.dot`` releases the GIL (``@`` holds it for
-    the whole product: a stall of several ms for any other Python thread, such as
-    vLLM's engine loop), so a big run is split between this thread and a helper."""
-    global _POOL
-    with np.errstate(over="ignore"):
-        if rows.nbytes < _PARALLEL_BYTES or len(rows) < 2 or (os.cpu_count() or 1) < 2:
-            out: npt.NDArray[np.uint64] = np.dot(rows, weights)
-            return out
-        half = len(rows) // 2
-        first = _helper().submit(np.dot, rows[:half], weights)
-        rest = np.dot(rows[half:], weights)
-        return np.concatenate([first.result(), rest])
-
-
-def _aligned(payload: Sequence[tuple[int, int]]) -> bool:
-    return all((a | n) % 8 == 0 for a, n in payload)
-
-
-def _span_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-    """``payload_checksum`` of 8-byte aligned multi-segment payloads (one segment per
-    layer of a KV block, say) through one word view spanning them all: per segment a
-    slice and a dot product, no ctypes array per segment (several times faster)."""
-    lo = min(a for p in payloads for a, n in p if n)
-    hi = max(a + n for p in payloads for a, n in p if n)
-    words = np.ctypeslib.as_array((ctypes.c_uint64 * ((hi - lo) // 8)).from_address(lo))
-    weights = _weights(max(sum(n for _, n in p) // 8 for p in payloads))
-    out = []
-    for payload in payloads:  # integer dot products do not overflow-check
-        total, pos = 0, 0
-        for addr, size in payload:
-            n, first = size // 8, (addr - lo) // 8
-            total += int(np.dot(words[first : first + n], weights[pos : pos + n]))
-            pos += n
-        out.append(total % (1 << 64))
-    return out
-
-
-def _helper() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        with _POOL_LOCK:
-            if _POOL is None:
-                _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvpool-checksum")
-    return _POOL
-
-
-def batch_checksums(payloads: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-    """``payload_checksum`` of each payload; runs of one-segment payloads of one size
-    at a constant stride (objects back to back in staging) take one matrix product,
-    runs of aligned multi-segment payloads one shared word view."""
-    out: list[int] = []
-    i = 0
-    while i < len(payloads):
-        j = i + 1
-        if len(payloads[i]) > 1 and _aligned(payloads[i]):
-            while j < len(payloads) and len(payloads[j]) > 1 and _aligned(payloads[j]):
-                j += 1
-            out += _span_checksums(payloads[i:j])
-            i = j
-            continue
-        if len(payloads[i]) == 1:
-            (addr, size), stride = payloads[i][0], None
-            while (
-                j < len(payloads)
-                and len(payloads[j]) == 1
-                and payloads[j][0][1] == size
-                and (stride is None or payloads[j][0][0] - payloads[j - 1][0][0] == stride)
-            ):
-                stride = payloads[j][0][0] - payloads[j - 1][0][0]
-                j += 1
-            if j - i > 1 and stride is not None and stride > 0 and (addr | stride | size) % 8 == 0:
-                n = j - i
-                span = (n - 1) * stride + size
-                base = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(addr))
-                rows = np.lib.stride_tricks.as_strided(
-                    base.view(np.uint64), shape=(n, size // 8), strides=(stride, 8), writeable=False
-                )
-                out.extend(int(v) for v in _row_sums(rows, _weights(size // 8)))
-                i = j
-                continue
-        out.append(payload_checksum(payloads[i]))
-        i += 1
+def batch_checksums(payloads: Iterable[Sequence[tuple[int, int]]]) -> list[int]:
+    """``payload_checksum`` of each payload, letting other threads run (a GIL release)
+    after every ``_YIELD_BYTES`` or so."""
+    out, since = [], 0
+    for payload in payloads:
+        out.append(payload_checksum(payload))
+        since += sum(n for _, n in payload)
+        if since >= _YIELD_BYTES:
+            time.sleep(0)
+            since = 0
     return out
 
 

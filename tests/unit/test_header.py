@@ -129,20 +129,12 @@ def test_payload_checksum_over_segments_equals_checksum_of_concatenation(
 ) -> None:
     data = np.frombuffer(bytearray(payload or b"\0"), dtype=np.uint8)
     segs = _segments(data, cuts)
-    assert header.payload_checksum(segs) == wsum64(data.tobytes())
+    assert header.payload_checksum(segs) == xxh3(data.tobytes())
 
 
-def wsum64(data: bytes) -> int:
-    """Reference: the documented formula, in plain Python."""
-    data += b"\0" * (-len(data) % 8)
-    total = 0
-    for i in range(len(data) // 8):
-        x = ((i + 1) * 0x9E3779B97F4A7C15) % 2**64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
-        k = (x ^ (x >> 31)) | 1
-        total += int.from_bytes(data[8 * i : 8 * i + 8], "little") * k
-    return total % 2**64
+def xxh3(data: bytes) -> int:
+    """Reference: xxh3-64 of the bytes in one piece."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 @given(st.integers(1, 6), st.integers(1, 64), st.integers(0, 3), st.data())
@@ -159,8 +151,26 @@ def test_batch_checksums_equal_per_object_checksums(
     assert header.batch_checksums(strided) == [header.payload_checksum(p) for p in strided]
     assert header.batch_checksums(mixed) == [header.payload_checksum(p) for p in mixed]
     assert header.batch_checksums(strided) == [
-        wsum64(buf[i * stride : i * stride + size].tobytes()) for i in range(n)
+        xxh3(buf[i * stride : i * stride + size].tobytes()) for i in range(n)
     ]
+
+
+def test_checksums_of_payloads_hashed_in_slices_and_batches_with_hand_offs() -> None:
+    """Segments longer than a slice are hashed in pieces, batches longer than
+    ``_YIELD_BYTES`` let other threads in between objects: neither changes a value."""
+    rng = np.random.default_rng(7)
+    buf = rng.integers(0, 256, 3 * header._SLICE + 5, dtype=np.uint8)
+    base = buf.ctypes.data
+    cuts = [(base, header._SLICE + 3), (base + header._SLICE + 3, 2 * header._SLICE + 2)]
+    assert header.payload_checksum(cuts) == xxh3(buf.tobytes())
+    assert header.payload_checksum([(base, buf.nbytes)]) == xxh3(buf.tobytes())
+    size = header._YIELD_BYTES // 3 + 8
+    big = rng.integers(0, 256, 5 * size, dtype=np.uint8)
+    objects = [[(big.ctypes.data + i * size, size)] for i in range(5)]
+    assert header.batch_checksums(objects) == [
+        xxh3(big[i * size : (i + 1) * size].tobytes()) for i in range(5)
+    ]
+    assert header.payload_checksum([]) == xxh3(b"")
 
 
 @given(st.binary(min_size=1, max_size=512), st.data())
@@ -194,7 +204,8 @@ def test_fingerprint_bytes_of_a_key_space() -> None:
 def test_multi_segment_batch_checksums_equal_the_checksum_of_the_concatenation(
     layouts: list[list[int]], data: st.DataObject
 ) -> None:
-    """Aligned scatter lists (a KV block per layer) go through one shared word view."""
+    """Scatter lists (a KV block per layer, some segments adjacent or repeated) hash as
+    their concatenation."""
     seed = data.draw(st.integers(0, 2**32 - 1))
     buf = np.random.default_rng(seed).integers(0, 256, 4096, dtype=np.uint8)
     base = buf.ctypes.data
@@ -207,8 +218,7 @@ def test_multi_segment_batch_checksums_equal_the_checksum_of_the_concatenation(
     for payload, checksum in zip(payloads, got, strict=True):
         joined = b"".join(buf[a - base : a - base + n].tobytes() for a, n in payload)
         assert checksum == header.payload_checksum(payload)
-        if len(joined) % 8 == 0:
-            assert checksum == wsum64(joined)
+        assert checksum == xxh3(joined)
 
 
 _rows = st.lists(st.tuples(keys, lengths, st.integers(0, 2**64 - 1)), min_size=1, max_size=8)

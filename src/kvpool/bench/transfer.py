@@ -19,7 +19,7 @@ with ``submit_load`` + ``wait``, through (each on a pool client of its own, as
 a worker runs one of them)
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
-* ``kvpool+checksum``: the same with payload checksums (wsum64) written and verified,
+* ``kvpool+checksum``: the same with payload checksums (xxh3) written and verified,
 * ``zero-copy`` and ``zero-copy+checksum``: ``TransferEngine(zero_copy=True)``
   over KV caches in memory the store reaches (shared memory: from
   ``alloc_staging``, as the connector's ``zero_copy`` places vLLM's), no staging,

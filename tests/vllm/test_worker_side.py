@@ -146,6 +146,7 @@ def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests
     for n, t in caches.items():  # same tensors, now in the store's memory, same bytes
         assert store.reaches(t.data_ptr(), t.nbytes) and torch.equal(t, before[n])
     worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2]), ops("b", [3])]))
+    assert worker.saves_in_flight > 0
     worker.flush_saves(frozenset({"other"}))  # no save of a freed request: returns at once
     assert puts == []
     flusher = threading.Thread(target=worker.flush_saves, args=(frozenset({"a"}),))
@@ -166,6 +167,7 @@ def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests
             stored.update(meta.stored)
         time.sleep(0.01)
     assert len(stored) == 2  # a's two chunks (b's chunk 0 shares a's first hash)
+    assert worker.saves_in_flight == 0
     worker.start_loads(KVPoolMetadata(loads=[ops("c", [9, 10])]))
     assert finished_within(worker, "c") == (True, False)
     for t in caches.values():

@@ -159,10 +159,10 @@ def _settle_saves(llm: Any, greedy: Any, timeout_s: float = 30.0) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    worker = getattr(get_kv_transfer_group(), "worker", None)
     flush = TokensPrompt(prompt_token_ids=[7, 8, 9])
     deadline = time.monotonic() + timeout_s
-    while worker is not None and worker._saves and time.monotonic() < deadline:
+    while worker is not None and worker.saves_in_flight and time.monotonic() < deadline:
         llm.generate([flush], greedy, use_tqdm=False)
     llm.generate([flush], greedy, use_tqdm=False)
 
@@ -197,7 +197,7 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        worker = getattr(get_kv_transfer_group(), "_worker", None)
+        worker = getattr(get_kv_transfer_group(), "worker", None)
         stats = worker.stats() if worker is not None else None
         if stats is not None:
             out.update(

@@ -135,6 +135,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         except KVPoolError as exc:
             logger.error("kvpool: %s; the connector stays idle", exc)
 
+    @property
+    def worker(self) -> WorkerSide | None:
+        """This worker's side of the connector (None in the scheduler, or without a pool)."""
+        return self._worker
+
     def _start_scheduler(
         self,
         identity: EngineIdentity,

@@ -367,6 +367,11 @@ class WorkerSide:
             self._stored[h] = self._stored.get(h, 0) + 1
         self._fresh.update(hashes[k] for k, st in result.statuses.items() if st is Status.OK)
 
+    @property
+    def saves_in_flight(self) -> int:
+        """Save jobs submitted whose results ``finished`` has not reported yet."""
+        return len(self._saves)
+
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out

@@ -81,7 +81,7 @@ def pool_factory(tmp_path: Path) -> Iterator[PoolFactory]:
         yield start
     finally:
         for pool in reversed(pools):
-            pool.stop()
+            pool.stop(kill=True)  # throwaway pools: no graceful shutdown to wait for
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +64,19 @@ def test_pool_starts_healthy_and_stops_reaped(pool_factory: PoolFactory) -> None
     assert _gone(master_pid) and _gone(holder_pid)  # reaped, not zombies
     assert not pool.is_alive()
     pool.stop()  # idempotent
+
+
+def test_a_killed_pool_is_reaped_and_its_ports_are_free_again(pool_factory: PoolFactory) -> None:
+    pool = pool_factory(segment_size=64 * MiB)
+    master_pid, holder_pid = pool.master_pid, pool.holder_pid
+    pool.stop(kill=True)
+    assert _gone(master_pid) and _gone(holder_pid)
+    assert not pool.is_alive()
+    for address in (pool.master_address, pool.holder_address):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, int(port)))  # nothing listens there any more
 
 
 def test_master_only_pool(pool_factory: PoolFactory) -> None:

@@ -744,7 +744,7 @@ def run_row(ctx: ChaosContext, row: Row) -> Outcome:
         observed, passed = f"{type(exc).__name__}: {exc}", False
     finally:
         for pool in reversed(env.pools):
-            pool.stop()
+            pool.stop(kill=True)  # the row's own pools: nothing to shut down cleanly
     return Outcome(row.name, row.fault, row.expected, passed, observed, time.monotonic() - t0)
 
 

@@ -30,13 +30,16 @@ treats it as a miss, never loads it. Pure: no I/O; reading memory at an
 address is the only unsafe thing here, and only the checksum functions do it.
 
 The checksum is xxh3-64 of the payload (the concatenation of its scatter
-list), hashed in place in slices of at most 64 KiB. xxhash holds the GIL for
-such a slice (a few us) and releases it for bigger ones; a thread that releases
-the GIL waits a full switch interval (5 ms) to get it back whenever another
-thread runs Python, so per-call releases starved the hashing thread next to a
-busy engine thread (measured, 16 MiB in 64 objects of 256 KiB: 0.75 ms alone,
-147 ms next to a thread spinning in Python). Format 1 used a weighted word sum
-in numpy (wsum64): half as fast, and its per-segment calls released the GIL.
+list), hashed in place in slices small enough that xxhash keeps the GIL. A call
+that releases the GIL waits a full switch interval (5 ms) to get it back whenever
+another thread runs Python, so per-call releases starve the hashing thread next
+to a busy engine thread. Measured, 16 MiB in 64 objects next to a thread spinning
+in Python: one call per object (releases) 147 ms; in slices 0.74-0.79 ms, and
+1.6-1.9 ms for objects of 8 segments (zero copy), the same as alone. Format 1
+used a weighted word sum in numpy (wsum64): half as fast, and its per-segment
+calls released the GIL (630 ms for those zero-copy objects next to that thread).
+``FORMAT_VERSION`` is ``keys.OBJECT_FORMAT``, part of the key space's
+fingerprint: objects of another format are other keys (misses), never read.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ from __future__ import annotations
 import ctypes
 import enum
 import struct
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ import numpy.typing as npt
 import xxhash
 
 from kvpool.errors import HeaderError
+from kvpool.keys import OBJECT_FORMAT
 
 __all__ = [
     "FLAG_CHECKSUM",
@@ -73,7 +76,7 @@ __all__ = [
 ]
 
 MAGIC = b"KVPL"
-FORMAT_VERSION = 2  # 2: the checksum is xxh3-64 (1: wsum64)
+FORMAT_VERSION = OBJECT_FORMAT  # 2: the checksum is xxh3-64 (1: wsum64)
 FLAG_CHECKSUM = 0x0001
 _KNOWN_FLAGS = FLAG_CHECKSUM
 _STRUCT = struct.Struct("<4sHH8sQQQ24s")
@@ -125,15 +128,12 @@ def key_digest(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
-# xxhash releases the GIL for an update of more than 64 KiB and holds it for a
-# smaller one (XXHASH_GIL_MINSIZE). A thread that releases the GIL waits a whole
-# switch interval (5 ms) to get it back from a thread running Python, so payloads
-# are hashed in slices of at most this size: a few us per call with the GIL held.
+# xxhash releases the GIL only for an update above a threshold (64 KiB in 4.x,
+# more in 3.x). A thread that releases the GIL waits up to a switch interval (5 ms)
+# to get it back from a thread running Python, so payloads are hashed in slices of
+# at most this size, a few us each with the GIL held; other threads get the GIL
+# through CPython's forced switch, as from any Python code.
 _SLICE = 64 << 10
-# ... and a batch lets other threads in after about this much (~0.15 ms of hashing):
-# an engine thread waiting for the GIL waits at most that long, and the hashing
-# thread pays one hand-off per step, not one per slice.
-_YIELD_BYTES = 8 << 20
 
 
 def _update(h: xxhash.xxh3_64, addr: int, size: int) -> None:
@@ -155,16 +155,8 @@ def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
 
 
 def batch_checksums(payloads: Iterable[Sequence[tuple[int, int]]]) -> list[int]:
-    """``payload_checksum`` of each payload, letting other threads run (a GIL release)
-    after every ``_YIELD_BYTES`` or so."""
-    out, since = [], 0
-    for payload in payloads:
-        out.append(payload_checksum(payload))
-        since += sum(n for _, n in payload)
-        if since >= _YIELD_BYTES:
-            time.sleep(0)
-            since = 0
-    return out
+    """``payload_checksum`` of each payload."""
+    return list(map(payload_checksum, payloads))
 
 
 def _fields(

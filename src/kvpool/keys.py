@@ -34,6 +34,7 @@ from kvpool.errors import KeyFormatError, LayoutError
 from kvpool.layout import ContentId, Layout
 
 __all__ = [
+    "OBJECT_FORMAT",
     "SCHEMA_VERSION",
     "KeySpace",
     "ParsedKey",
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+# The format of stored objects (``kvpool.header.FORMAT_VERSION``). It is part of
+# every fingerprint, so engines of different formats use different keys: an object
+# of another format is a miss, never read (and removed) as corrupt.
+OBJECT_FORMAT = 2
 _ROOT = "kvpool"
 _FP_HEX = 16  # 64 bits of sha256 over the canonical config
 _SAFE = "/:@._-+=~,"
@@ -150,6 +155,7 @@ class KeySpace:
             raise LayoutError(f"num_layers must be a non-negative integer, got {num_layers!r}")
         config: dict[str, Any] = {
             "schema": SCHEMA_VERSION,
+            "object_format": OBJECT_FORMAT,
             "model": model,
             "kv_dtype": str(kv_dtype),
             "model_dtype": str(model_dtype),

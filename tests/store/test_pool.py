@@ -69,6 +69,7 @@ def test_pool_starts_healthy_and_stops_reaped(pool_factory: PoolFactory) -> None
 def test_a_killed_pool_is_reaped_and_its_ports_are_free_again(pool_factory: PoolFactory) -> None:
     pool = pool_factory(segment_size=64 * MiB)
     master_pid, holder_pid = pool.master_pid, pool.holder_pid
+    assert master_pid and holder_pid
     pool.stop(kill=True)
     assert _gone(master_pid) and _gone(holder_pid)
     assert not pool.is_alive()

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpool import keys
 from kvpool.errors import KeyFormatError
 from kvpool.keys import SCHEMA_VERSION, KeySpace, ParsedKey, parse_key
 from kvpool.layout import ContentId, Layout
@@ -72,6 +73,16 @@ def test_full_model_name_not_last_component() -> None:
 )
 def test_every_byte_changing_field_changes_the_fingerprint(change: dict[str, Any]) -> None:
     assert make_space(**change).fingerprint != make_space().fingerprint
+
+
+def test_the_object_format_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines writing another object format use other keys: a miss, not a corrupt read."""
+    from kvpool import header
+
+    assert header.FORMAT_VERSION == keys.OBJECT_FORMAT
+    before = make_space().fingerprint
+    monkeypatch.setattr(keys, "OBJECT_FORMAT", keys.OBJECT_FORMAT + 1)
+    assert make_space().fingerprint != before
 
 
 def test_dp_index_does_not_change_the_fingerprint() -> None:

@@ -147,10 +147,12 @@ def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
     if len(segments) == 1 and 0 < segments[0][1] <= _SLICE:
         addr, size = segments[0]
         return xxhash.xxh3_64_intdigest((ctypes.c_char * size).from_address(addr))
-    h = xxhash.xxh3_64()
+    h, char = xxhash.xxh3_64(), ctypes.c_char
     for addr, size in segments:
-        if size:
+        if size > _SLICE:
             _update(h, addr, size)
+        elif size:  # a ctypes array is a buffer: 3x less per segment than a memoryview
+            h.update((char * size).from_address(addr))
     return h.intdigest()
 
 

@@ -163,6 +163,8 @@ def test_checksums_of_payloads_hashed_in_slices() -> None:
     base = buf.ctypes.data
     cuts = [(base, header._SLICE + 3), (base + header._SLICE + 3, 2 * header._SLICE + 2)]
     assert header.payload_checksum(cuts) == xxh3(buf.tobytes())
+    exact = [(base, header._SLICE), (base + header._SLICE, buf.nbytes - header._SLICE)]
+    assert header.payload_checksum(exact) == xxh3(buf.tobytes())
     assert header.payload_checksum([(base, buf.nbytes)]) == xxh3(buf.tobytes())
     size = header._SLICE + 8
     objects = [[(base + i * 8, size)] for i in range(5)]

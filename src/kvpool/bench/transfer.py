@@ -442,12 +442,15 @@ def _variant(
     checksum = name.endswith("+checksum")
     framed = FramedStore(MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=checksum)
     stack.callback(framed.close)
+
+    def engine(cache: _KVCache, **options: Any) -> TransferEngine:
+        out = TransferEngine(framed, [cache.layers], cache.num_blocks, **options)
+        stack.callback(out.close)
+        return out
+
     if not name.startswith("zero"):
-        saver = TransferEngine(framed, [src.layers], src.num_blocks, staging_bytes=staging_bytes)
-        stack.callback(saver.close)
-        loader = TransferEngine(framed, [dst.layers], dst.num_blocks,
-                                staging_bytes=staging_bytes, load_mode="staged")  # fmt: skip
-        stack.callback(loader.close)
+        saver = engine(src, staging_bytes=staging_bytes)
+        loader = engine(dst, staging_bytes=staging_bytes, load_mode="staged")
         return _Variant(saver, loader, src, dst)
 
     def home(n: int) -> torch.Tensor | None:
@@ -456,11 +459,7 @@ def _variant(
     zsrc = _KVCache(src.shape, src.num_blocks, home(src.nbytes))
     zsrc.bytes[:] = src.bytes
     zdst = _KVCache(dst.shape, dst.num_blocks, home(dst.nbytes))
-    zsaver = TransferEngine(framed, [zsrc.layers], zsrc.num_blocks, zero_copy=True)
-    stack.callback(zsaver.close)
-    zloader = TransferEngine(framed, [zdst.layers], zdst.num_blocks, zero_copy=True)
-    stack.callback(zloader.close)
-    return _Variant(zsaver, zloader, zsrc, zdst)
+    return _Variant(engine(zsrc, zero_copy=True), engine(zdst, zero_copy=True), zsrc, zdst)
 
 
 def _bench_size(

@@ -159,6 +159,11 @@ def test_eviction_under_pressure_reads_missing_never_garbage(make_store: MakeSto
     keys = [f"ev/{i}" for i in range(n)]
     puts = [store.batch_put([k], [split(d)])[0] for k, d in zip(keys, data, strict=True)]
     assert set(puts) <= {Status.OK, Status.NO_SPACE}
+    # Mooncake evicts in a background thread: the get below may come before it ran.
+    # A put that finds space again shows it has (asking with exists would not do:
+    # it grants read leases, and leased objects are never evicted).
+    probe = rand(MiB, n)
+    assert wait_for(lambda: store.batch_put(["ev/probe"], [split(probe)]) == [Status.OK], 10)
     outs = [np.zeros(MiB, np.uint8) for _ in range(n)]
     results = store.batch_get(keys, [split(o) for o in outs])
     assert set(results) <= {Status.OK, Status.MISSING}

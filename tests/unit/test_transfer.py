@@ -449,6 +449,22 @@ def _object_bytes(layers: list[tuple[str, torch.Tensor]], blocks: int) -> int:
     return describe_group(layers, NB).object_nbytes(blocks)
 
 
+class _Counting(MemoryStore):
+    """Records each batch call to the backend as (kind, keys)."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 28)
+        self.calls: list[tuple[str, int]] = []
+
+    def _put(self, keys, segments):  # type: ignore[no-untyped-def]
+        self.calls.append(("put", len(keys)))
+        return super()._put(keys, segments)
+
+    def _get(self, keys, segments):  # type: ignore[no-untyped-def]
+        self.calls.append(("get", len(keys)))
+        return super()._get(keys, segments)
+
+
 def test_saves_and_staged_loads_move_in_pieces_bit_exact(store: KVStore) -> None:
     """Jobs larger than ``piece_bytes`` go in several puts and gets; two groups mixed."""
     src_a, src_b = cpu_layers(2), mla_layers(1)
@@ -458,18 +474,8 @@ def test_saves_and_staged_loads_move_in_pieces_bit_exact(store: KVStore) -> None
         ChunkRef(f"p{g}c{i}", g, i, (2 * i + g, 2 * i + g + 1)) for i in range(7) for g in (0, 1)
     ]
     piece = 2 * _object_bytes(src_a, 2)  # about two chunks per piece
-    calls: list[tuple[str, int]] = []
-
-    class Counting(MemoryStore):
-        def _put(self, keys, segments):  # type: ignore[no-untyped-def]
-            calls.append(("put", len(keys)))
-            return super()._put(keys, segments)
-
-        def _get(self, keys, segments):  # type: ignore[no-untyped-def]
-            calls.append(("get", len(keys)))
-            return super()._get(keys, segments)
-
-    counting = Counting(capacity=1 << 28)
+    counting = _Counting()
+    calls = counting.calls
     e = TransferEngine(counting, [src_a, src_b], NB, staging_bytes=16 << 20, piece_bytes=piece)
     assert e.submit_save("s", chunks)
     assert e.wait(["s"], timeout=30)[0].ok
@@ -513,14 +519,14 @@ def test_a_failed_chunk_in_a_middle_piece_stops_the_copy_there(store: KVStore) -
     for (_, a), (_, b) in zip(src, dst, strict=True):
         assert torch.equal(a[:6], b[:6])  # chunks 0-2 arrived, across two pieces
         assert bool((b[6:16] == -1.0).all())  # chunk 3 and the later pieces: untouched
-    assert r._arena.used == 0  # every piece's staging was given back
+    assert r._load_arena.used == 0  # every piece's staging was given back
 
 
 def test_a_failed_staging_copy_refuses_the_save_and_frees_staging(store: KVStore) -> None:
     src = cpu_layers(1)
     e = engine(store, src, piece_bytes=_object_bytes(src, 1))
     gathered: list[int] = []
-    real_gather = e._gather
+    real_gather = e._copier.gather
 
     def failing(chunks, offsets):  # type: ignore[no-untyped-def]
         if gathered:
@@ -528,13 +534,14 @@ def test_a_failed_staging_copy_refuses_the_save_and_frees_staging(store: KVStore
         gathered.append(len(chunks))
         real_gather(chunks, offsets)
 
-    e._gather = failing  # type: ignore[method-assign]
+    e._copier.gather = failing  # type: ignore[method-assign]
     chunks = [ChunkRef(f"f{i}", 0, i, (i,)) for i in range(3)]
     assert not e.submit_save("s", chunks)
     (res,) = e.wait(["s"], timeout=30)
     assert res.skipped == 2 and list(res.statuses) == ["f0"]  # the first piece was put
     assert e.stats().saves_refused["staging_error"] == 1
-    assert e._arena.used == 0
+    assert res.refused == "staging_error" and res.refused_from == 1 and not res.retry
+    assert e._save_arena.used == 0
     e.close()
     assert store.batch_exists(["f0", "f1", "f2"]) == [Status.OK, Status.MISSING, Status.MISSING]
 
@@ -576,3 +583,123 @@ def test_zero_copy_round_trip_from_kv_placed_in_store_memory(kind: str) -> None:
     for a, b in zip(saved_from, got, strict=True):
         assert torch.equal(a, b)
     store.close()
+
+
+# -- jobs larger than the staging area ------------------------------------------------
+
+SMALL_STAGING = 256 << 10  # 128 KiB for saves and 128 KiB for staged loads: 4 objects each
+
+
+@pytest.mark.parametrize("load_mode", ["staged", "direct"])
+def test_jobs_many_times_the_staging_area_move_piece_by_piece_bit_exact(load_mode: str) -> None:
+    """48 one-block objects of 32 KiB (1.5 MiB) through 128 KiB of staging per direction."""
+    store = _Counting()
+    calls = store.calls
+    src = cpu_layers(2)
+    randomize(src, 31)
+    assert _object_bytes(src, 1) == 32 << 10
+    chunks = [ChunkRef(f"big{i}", 0, i, (i,)) for i in range(48)]
+    w = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING, load_mode="staged")
+    assert w.submit_save("s", chunks)  # waits for puts to free staging: never refused
+    (res,) = w.wait(["s"], timeout=30)
+    assert res.ok and len(res.statuses) == 48 and not res.refused
+    assert w._save_arena.used == 0 and w.stats().chunks_refused == {}
+    w.close()
+    puts = [n for op, n in calls if op == "put"]
+    assert len(puts) >= 48 * 32 // 128 and sum(puts) == 48
+    dst = cpu_layers(2)
+    randomize(dst, 32)
+    r = TransferEngine(store, [dst], NB, staging_bytes=SMALL_STAGING, load_mode=load_mode)  # type: ignore[arg-type]
+    targets = [ChunkRef(c.key, 0, c.chunk, (63 - c.chunk,)) for c in chunks]
+    r.submit_load("l", targets)
+    (res,) = r.wait(["l"], timeout=30)
+    assert res.ok and len(res.statuses) == 48
+    assert r._load_arena.used == 0
+    r.close()
+    for c, t in zip(chunks, targets, strict=True):
+        for a, b in zip(
+            blocks_of(src, list(c.block_ids)), blocks_of(dst, list(t.block_ids)), strict=True
+        ):
+            assert torch.equal(a, b)
+    if load_mode == "staged":
+        gets = [n for op, n in calls if op == "get"]
+        assert len(gets) >= 48 * 32 // 128 and sum(gets) == 48
+
+
+def test_a_chunk_missing_deep_in_a_job_larger_than_staging_stops_the_copy_there(
+    store: KVStore,
+) -> None:
+    src = cpu_layers(2)
+    randomize(src, 33)
+    chunks = [ChunkRef(f"d{i}", 0, i, (i,)) for i in range(40)]
+    w = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING)
+    assert w.submit_save("s", chunks) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    assert store.batch_remove(["d29"], force=True) == [Status.OK]
+    dst = cpu_layers(2)
+    for _, t in dst:
+        t.fill_(-1.0)
+    r = TransferEngine(store, [dst], NB, staging_bytes=SMALL_STAGING, load_mode="staged")
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    r.close()
+    assert res.statuses["d29"] is Status.MISSING
+    assert res.invalid_block_ids == frozenset(range(29, 40))
+    for (_, a), (_, b) in zip(src, dst, strict=True):
+        assert torch.equal(a[:29], b[:29])  # 29 chunks arrived, over several pieces
+        assert bool((b[29:40] == -1.0).all())  # the missing chunk and later: untouched
+    assert r._load_arena.used == 0
+
+
+class _StuckPuts(MemoryStore):
+    """Puts wait until ``release`` is set: a pool that stopped taking puts."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 28)
+        self.release = threading.Event()
+
+    def _put(self, keys, segments):  # type: ignore[no-untyped-def]
+        assert self.release.wait(30)
+        return super()._put(keys, segments)
+
+
+def test_a_save_that_sees_no_staging_freed_is_refused_as_retryable_and_never_stored() -> None:
+    store = _StuckPuts()
+    src = cpu_layers(2)
+    randomize(src, 34)
+    e = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING, save_wait_s=0.2)
+    first = [ChunkRef(f"a{i}", 0, i, (i,)) for i in range(10)]
+    second = [ChunkRef(f"b{i}", 0, i, (20 + i,)) for i in range(3)]
+    # 256 KiB of staging for saves (loads are direct here), pieces of three 32 KiB
+    # objects: two pieces fit, the third waits for a put that never frees any.
+    assert e.submit_save("a", first) is False
+    waited = e.stats().save_wait_s
+    assert waited > 0
+    # A later save that finds no space is refused at once, without a second wait.
+    assert e.submit_save("b", second) is False
+    assert e.stats().save_wait_s == waited
+    store.release.set()
+    ra, rb = sorted(e.wait(["a", "b"], timeout=30), key=lambda r: str(r.job_id))
+    assert ra.refused == "staging_busy" and ra.retry and ra.refused_from == 6
+    assert sorted(ra.statuses) == [f"a{i}" for i in range(6)] and ra.ok and ra.skipped == 4
+    assert rb.refused == "staging_busy" and rb.refused_from == 0 and rb.statuses == {}
+    stats = e.stats()
+    assert stats.chunks_refused == {"staging_busy": 7} and stats.saves_refused["staging_busy"] == 2
+    assert not e.in_backpressure  # local pressure is not a store failure
+    # Once puts free staging again, the refused chunks save (what a retry does).
+    assert e.submit_save("again", [*first[6:], *second])
+    (again,) = e.wait(["again"], timeout=30)
+    assert again.ok and len(again.statuses) == 7 and not again.refused
+    e.close()
+    keys = [c.key for c in first + second]
+    assert store.batch_exists(keys) == [Status.OK] * 13
+
+
+def test_staging_smaller_than_one_chunk_object_is_a_config_error(store: KVStore) -> None:
+    from kvpool.errors import ConfigError
+
+    src = cpu_layers(2)  # 32 KiB per one-block object
+    with pytest.raises(ConfigError, match="raise staging_bytes"):
+        TransferEngine(store, [src], NB, staging_bytes=48 << 10, load_mode="staged")
+    with pytest.raises(ConfigError, match="raise staging_bytes"):
+        TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING, blocks_per_object=9)

@@ -266,3 +266,30 @@ def test_a_step_with_no_tokens_scheduled_is_idle() -> None:
     meta = s.build_meta(step([], {}))  # the request waits for its load
     assert meta.loads and meta.idle
     assert not s.build_meta(step([("q", 0)], {"q": 5})).idle
+
+
+def test_a_save_refused_for_local_pressure_is_planned_again_while_the_request_runs() -> None:
+    s, _, manager = side(hit=0)
+    req = FakeRequest.make("r", 6 * B)
+    s.matched_tokens(req, 0)
+    s.after_alloc(req, 0)
+    manager.tables["r"] = (list(range(6)),)
+    meta = s.build_meta(step([("r", 0)], {"r": 4 * B}))
+    assert [c.chunk for c in meta.saves[0].chunks] == [0, 1, 2, 3]
+    s.worker_output(KVPoolWorkerMetadata(refused={"r": 1, "gone": 0}))
+    out = step([], {"r": 2 * B})
+    out.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[4 * B])
+    meta = s.build_meta(out)
+    assert [c.chunk for c in meta.saves[0].chunks] == [1, 2, 3, 4, 5]  # refused ones again
+    # A report for chunks already planned again (or a finished request) changes nothing.
+    s.worker_output(KVPoolWorkerMetadata(refused={"r": 6}))
+    out = step([], {"r": 1})
+    out.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[6 * B])
+    assert s.build_meta(out).saves == []
+
+
+def test_refusals_from_several_workers_keep_the_first_chunk() -> None:
+    a = KVPoolWorkerMetadata(refused={"r": 3, "q": 1})
+    b = KVPoolWorkerMetadata(refused={"r": 2})
+    merged = a.aggregate(b)
+    assert isinstance(merged, KVPoolWorkerMetadata) and merged.refused == {"r": 2, "q": 1}

@@ -226,3 +226,54 @@ def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -
     assert data is not None and data["chunks_loaded"] == 2 and data["chunks_saved"] == 0
     assert snapshots == 1
     worker.close()
+
+
+def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_retry() -> None:
+    import threading
+
+    release = threading.Event()
+
+    class SlowPuts(MemoryStore):
+        """Puts wait for ``release``: a pool slower than the engine for a while."""
+
+        def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+            assert release.wait(30)
+            return super()._put(keys, segments)
+
+    store = SlowPuts(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()  # 32 KiB per chunk object
+    # 128 KiB of staging: 64 KiB for saves (two objects), 64 KiB for staged loads.
+    settings = ConnectorSettings(staging_bytes=128 << 10)
+    worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    worker.register(caches)
+    engine = worker.engine
+    assert engine is not None and engine.load_mode == "staged"
+    worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2, 3, 4, 5])]))
+    # Saves stall, loads do not: they have staging of their own. Objects written
+    # before (by "another engine") load while the puts are stuck.
+    chunk_hash = bytes([1]) * 8
+    key = worker.identity.space.key(worker.identity.layout.content(0, 0), chunk_hash)
+    other = MemoryStore(capacity=1 << 20)
+    other._objects = store._objects  # the same pool, a client whose puts are not stuck
+    obj = torch.full((2, 2, B, 64), 3.0)
+    assert other.batch_put([key], [[(obj.data_ptr(), obj.nbytes)]]) == [Status.OK]
+    worker.start_loads(KVPoolMetadata(loads=[ops("b", [9])]))
+    assert finished_within(worker, "b") == (True, False)
+    assert all(bool((t[9] == 3.0).all()) for t in caches.values())
+    release.set()
+    meta = None
+    deadline = time.monotonic() + 10
+    while meta is None and time.monotonic() < deadline:
+        worker.finished()
+        meta = worker.worker_meta()
+        time.sleep(0.01)
+    assert meta is not None and meta.refused == {"a": 2}  # chunks 2-4 to submit again
+    assert meta.failed_hashes == set()
+    assert worker.engine is engine and worker.store is store  # not retired
+    stats = worker.stats()
+    assert stats is not None and stats.chunks_refused == {"staging_busy": 3}
+    assert stats.chunks_put + stats.chunks_skipped_exist == 2  # chunk 0 was there already
+    worker.close()

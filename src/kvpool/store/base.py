@@ -167,6 +167,9 @@ class Status(enum.Enum):
     INVALID = "invalid"  # the request itself is malformed (a caller bug)
     CORRUPT = "corrupt"  # get: header, checksum or size does not match the request
     TIMED_OUT = "timed_out"  # no answer within the caller's deadline (e.g. a frozen holder)
+    # Not attempted: the caller refused it locally (its staging or queue was
+    # busy) and never asked the store. Says nothing about the store's health.
+    REFUSED = "refused"
 
     @property
     def ok(self) -> bool:
@@ -187,6 +190,7 @@ class Status(enum.Enum):
             Status.TRANSFER_FAILED,
             Status.UNAVAILABLE,
             Status.TIMED_OUT,
+            Status.REFUSED,
         )
 
 

@@ -7,7 +7,8 @@ KVPoolMetadata  scheduler -> workers: ``loads`` and ``saves`` for this step (a
                 request never appears in both), and the requests whose blocks
                 were freed since the last step
 KVPoolWorkerMetadata  workers -> scheduler: chunk hashes whose load failed
-                (aggregated over workers), so lookups stop reporting them
+                (aggregated over workers), so lookups stop reporting them, and
+                saves refused for local pressure, to submit again
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
     # reaches the layout's objects per chunk
     stored: dict[bytes, int] = field(default_factory=dict)
     fresh: set[bytes] = field(default_factory=set)  # chunks with an object put just now
+    # request -> first chunk whose save some rank refused for local pressure
+    # (its staging was busy): the scheduler submits it, and later ones, again
+    refused: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVPoolWorkerMetadata):
@@ -63,6 +67,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         stored = dict(self.stored)
         for h, n in other.stored.items():
             stored[h] = stored.get(h, 0) + n
+        refused = dict(self.refused)
+        for r, k in other.refused.items():
+            refused[r] = min(k, refused.get(r, k))
         return KVPoolWorkerMetadata(
-            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh
+            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh, refused
         )

@@ -11,7 +11,9 @@
     SchedulerSide.finished(request)  forget it
     SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
-        failed load never loops; with ``events``, a chunk whose every object
+        failed load never loops; saves a worker refused for local pressure are
+        planned again (a chunk counts as saved only once handed over and not
+        refused); with ``events``, a chunk whose every object
         (the layout's objects per chunk, over all ranks) reached the pool
         becomes a ``BlockStored`` event
     SchedulerSide.take_events()  the KV events since the last call
@@ -55,7 +57,7 @@ class Lookup(Protocol):
 @dataclass
 class _Request:
     request: Any  # vllm.v1.request.Request
-    saved: int = 0  # chunks [0, saved) were handed to the workers' saves
+    saved: int = 0  # chunks [0, saved) were handed to the workers' saves, none refused
     load: tuple[int, int] | None = None  # chunks [a, b) to load, not yet sent
 
 
@@ -255,6 +257,14 @@ class SchedulerSide:
     def worker_output(self, meta: Any) -> None:
         if isinstance(meta, KVPoolWorkerMetadata) and meta.stored and self.events:
             self._stored(meta.stored, meta.fresh)
+        if isinstance(meta, KVPoolWorkerMetadata) and meta.refused:
+            # A save refused for local pressure is not done: while the request
+            # holds its blocks, its next step submits those chunks again (ranks
+            # that did store them skip them without a store call).
+            for req_id, k in meta.refused.items():
+                state = self._requests.get(req_id)
+                if state is not None and k < state.saved:
+                    state.saved = k
         if isinstance(meta, KVPoolWorkerMetadata) and meta.failed_hashes:
             until = time.monotonic() + self.settings.failed_key_ttl_s
             for h in meta.failed_hashes:

@@ -34,7 +34,10 @@ class ConnectorSettings:
     # Same-host fast path to the pool's holder: "auto" uses it when the holder
     # is on this host, falling back to TCP if it cannot be set up.
     shared_memory: Literal["auto", "on", "off"] = "auto"
-    staging_bytes: int = 256 << 20  # per worker, for saves (and staged loads)
+    # Per worker: half for saves, half for staged loads (all for saves when loads
+    # are direct). Any prompt moves through it piece by piece; a bigger one
+    # moves more at once. It must hold one chunk object (checked at start).
+    staging_bytes: int = 256 << 20
     # Place the KV cache in the pool's shared memory (same-host holder) and move
     # blocks with no staging copy. Loads are then direct (no load_timeout_s), a
     # step waits for the saves of requests that finished or were preempted

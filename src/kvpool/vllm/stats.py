@@ -6,7 +6,7 @@
     KVPoolPromMetrics registers ``vllm:kvpool_*`` counters and gauges, per engine
 
 Counters: chunks and bytes saved and loaded, chunks skipped as already stored,
-saves refused (backpressure, staging or queue full), load failures by cause,
+saves and chunks refused (backpressure, staging busy), load failures by cause,
 backpressure events. Gauges: transfer queue depth, backpressure (0/1).
 """
 
@@ -29,7 +29,8 @@ COUNTERS = {
     "chunks_saved": "Chunk objects written to the pool",
     "bytes_saved": "Payload bytes written to the pool",
     "chunks_skipped": "Chunks not written because the pool had them already",
-    "saves_refused": "Save jobs refused (backpressure, staging or queue full)",
+    "saves_refused": "Save jobs refused, whole or in part (backpressure, staging busy)",
+    "chunks_refused": "Chunks not saved because their save was refused",
     "chunks_loaded": "Chunk objects loaded from the pool",
     "bytes_loaded": "Payload bytes loaded from the pool",
     "load_failures": "Chunk loads that failed (missing, corrupt, transfer failure, ...)",
@@ -48,6 +49,7 @@ def stats_delta(
         "chunks_skipped": (now.chunks_skipped_known + now.chunks_skipped_exist)
         - (before.chunks_skipped_known + before.chunks_skipped_exist),
         "saves_refused": sum(now.saves_refused.values()) - sum(before.saves_refused.values()),
+        "chunks_refused": sum(now.chunks_refused.values()) - sum(before.chunks_refused.values()),
         "chunks_loaded": now.chunks_loaded - before.chunks_loaded,
         "bytes_loaded": now.bytes_loaded - before.bytes_loaded,
         "load_failures": sum(failures.values()),

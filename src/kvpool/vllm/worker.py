@@ -13,8 +13,10 @@
     WorkerSide.load_errors()        block ids to recompute, reported no later than
         the step that returns their request as finished
     WorkerSide.worker_meta()        chunk hashes that failed to load, for the
-        scheduler's lookup suppression, and (``events``) the objects per chunk
-        hash that this worker's saves put in the pool
+        scheduler's lookup suppression; per request the first chunk whose save
+        was refused for local pressure (staging), which the scheduler submits
+        again; and (``events``) the objects per chunk hash that this worker's
+        saves put in the pool
 
 A request whose load finished is always reported finished, failed or not.
 
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 
 from kvpool.config import PoolConfig
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.placement import place_kv
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
@@ -93,14 +95,16 @@ class WorkerSide:
         self._saves: dict[object, dict[str, bytes]] = {}  # job -> key -> chunk hash
         self._stored: dict[bytes, int] = {}  # chunk hash -> objects stored
         self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
+        self._refused: dict[str, int] = {}  # request -> first chunk refused, to retry
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
         self._last_version = -1  # of the engine that _last_stats came from
         self._retired = TransferStats()  # counters of replaced engines
         self._groups: list[list[tuple[str, torch.Tensor]]] = []
-        # zero_copy: the store whose memory holds the KV cache (kept open until
-        # close: the KV tensors live there), saves in flight by request, and
-        # results taken early by ``flush_saves`` for the next ``finished``.
+        # Saves in flight by request (zero copy waits for those of freed requests;
+        # refusals are reported per request); zero_copy: the store whose memory
+        # holds the KV cache (kept open until close: the KV tensors live there),
+        # and results taken early by ``flush_saves`` for the next ``finished``.
         self._kv_home: KVStore | None = None
         self._save_reqs: dict[object, str] = {}
         self._early: list[JobResult] = []
@@ -125,6 +129,8 @@ class WorkerSide:
         self._groups = groups
         try:
             self.store, self.engine = self._open()
+        except ConfigError:
+            raise  # a setting to fix (e.g. staging smaller than one chunk): fail loudly
         except KVPoolError as exc:
             logger.error("kvpool: %s; the worker connector stays idle (loads miss)", exc)
 
@@ -142,6 +148,7 @@ class WorkerSide:
                 load_mode="staged" if mode == "auto" else mode,
                 load_timeout_s=self.settings.load_timeout_s or None,
                 zero_copy=self._zero_copy(store),
+                blocks_per_object=self.identity.blocks_per_chunk,
             )
         except BaseException:
             if store is not self._kv_home:
@@ -293,15 +300,14 @@ class WorkerSide:
             job = ("save", next(self._jobs))
             if self._events:
                 self._saves[job] = {r.key: h for r, h in pairs}
-            if self.engine.zero_copy:
-                self._save_reqs[job] = ops.req_id
+            self._save_reqs[job] = ops.req_id
             self.engine.submit_save(job, [r for r, _ in pairs])
 
     def flush_saves(self, freed: frozenset[str]) -> None:
         """Zero copy: wait for the saves still reading blocks of ``freed`` requests,
         before this step's forward may overwrite those blocks."""
-        if not freed or not self._save_reqs or self.engine is None:
-            return
+        if not freed or not self._save_reqs or self.engine is None or not self.engine.zero_copy:
+            return  # staged saves copied their blocks when they were submitted
         jobs = [j for j, r in self._save_reqs.items() if r in freed]
         if not jobs:
             return
@@ -331,7 +337,11 @@ class WorkerSide:
         results += self._check_store(results)
         for result in results:
             if result.kind != "load":
-                self._save_reqs.pop(result.job_id, None)
+                req = self._save_reqs.pop(result.job_id, None)
+                if req is not None and result.refused_from is not None and result.retry:
+                    # Local pressure (staging): the scheduler submits these again.
+                    k = self._refused.get(req, result.refused_from)
+                    self._refused[req] = min(k, result.refused_from)
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
@@ -347,7 +357,11 @@ class WorkerSide:
             if bad:
                 failed.add(req_id)
                 self._invalid |= result.invalid_block_ids
-                self._failed_hashes.update(hashes[k] for k in bad)
+                # A chunk refused locally says nothing about its object: no suppression.
+                refused = Status.REFUSED
+                self._failed_hashes.update(
+                    hashes[k] for k in bad if result.statuses[k] is not refused
+                )
                 causes = sorted({result.statuses[k].value for k in bad})
                 logger.warning(
                     "kvpool: load of %d chunk(s) of %s failed (%s); recomputing",
@@ -377,10 +391,10 @@ class WorkerSide:
         return out
 
     def worker_meta(self) -> KVPoolWorkerMetadata | None:
-        if not self._failed_hashes and not self._stored:
+        if not self._failed_hashes and not self._stored and not self._refused:
             return None
-        out = KVPoolWorkerMetadata(self._failed_hashes, self._stored, self._fresh)
-        self._failed_hashes, self._stored, self._fresh = set(), {}, set()
+        out = KVPoolWorkerMetadata(self._failed_hashes, self._stored, self._fresh, self._refused)
+        self._failed_hashes, self._stored, self._fresh, self._refused = set(), {}, set(), {}
         return out
 
     def stats(self) -> TransferStats | None:

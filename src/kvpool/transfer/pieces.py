@@ -1,0 +1,86 @@
+"""Pure planning of how a job's chunk objects move through bounded staging.
+
+    cut(sizes, budget)            chunk ranges ``(lo, hi)`` of about ``budget`` bytes
+                                  each (at least one chunk each): the unit a save
+                                  stages and puts, and a staged load gets and copies
+    place(groups, sizes)          offsets of a piece's objects inside its staging
+                                  reservation, and the reservation's size
+    split_staging(nbytes, loads)  bytes of staging for saves and for staged loads
+    piece_budget(piece, arena, g) the piece size that lets two pieces of one
+                                  direction be in flight at once
+    check_fits(largest, arena)    ConfigError when one object cannot fit the arena
+
+A job of any size moves as a sequence of pieces, each reserving staging only for
+itself and releasing it when it is done, so the staging size changes how many
+bytes are in flight (speed), never whether a job can move. No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.errors import ConfigError
+
+__all__ = ["ALIGN", "check_fits", "cut", "piece_budget", "place", "split_staging"]
+
+ALIGN = 64  # each group's objects start this aligned: word views of staging line up
+
+
+def cut(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Ranges of consecutive items whose sizes add up to about ``budget``: a range
+    ends with the item that reaches it, so each holds at least one item and at most
+    ``budget`` + one item's size - 1 bytes."""
+    if budget < 1:
+        raise ValueError(f"piece budget must be >= 1 byte, got {budget}")
+    out, lo, size = [], 0, 0
+    for i, n in enumerate(sizes):
+        if size and size + n > budget:  # would overflow: close the range before it
+            out.append((lo, i))
+            lo, size = i, 0
+        size += n
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out
+
+
+def place(groups: Sequence[int], sizes: Sequence[int], align: int = ALIGN) -> tuple[list[int], int]:
+    """Offsets of objects (sorted by group) inside one reservation, and its extent.
+
+    A group's objects lie back to back (so they move with one indexed copy per
+    KV allocation); each group starts ``align``-ed.
+    """
+    offsets, pos, group = [], 0, None
+    for g, n in zip(groups, sizes, strict=True):
+        if g != group:
+            pos = -(-pos // align) * align
+            group = g
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def split_staging(nbytes: int, staged_loads: bool) -> tuple[int, int]:
+    """Staging for saves and for staged loads: halves, or all of it for saves when
+    loads do not stage. Apart, a slow put never delays a load (TTFT) and a hung
+    get never stalls saves."""
+    if not staged_loads:
+        return nbytes, 0
+    half = nbytes // 2 // ALIGN * ALIGN
+    return nbytes - half, half
+
+
+def piece_budget(piece_bytes: int, arena_bytes: int, groups: int = 1) -> int:
+    """Pieces of at most ``piece_bytes``, and small enough that two fit the arena
+    (one moving while the next is copied), with each group's alignment padding."""
+    return max(1, min(piece_bytes, arena_bytes // 2 - ALIGN * groups))
+
+
+def check_fits(largest_object: int, arena_bytes: int, what: str) -> None:
+    """A piece holds at least one object: the arena must hold the largest."""
+    need = -(-largest_object // ALIGN) * ALIGN
+    if need > arena_bytes:
+        raise ConfigError(
+            f"staging for {what} is {arena_bytes} bytes, less than one chunk object "
+            f"({largest_object} bytes); raise staging_bytes to at least {2 * need} bytes "
+            "or lower chunk_size"
+        )

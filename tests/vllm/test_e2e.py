@@ -178,3 +178,28 @@ def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     b = run_engine(spec(tiny_model, "kvpool", extra=zero, log_level="INFO"))
     assert_same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256
+
+
+def test_a_prompt_whose_kv_is_many_times_the_staging_area_is_saved_and_loaded_whole(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """2,000 tokens of 1 KiB of KV each through 256 KiB of staging (128 KiB a
+    direction): before, a job bigger than the staging was refused whole and the
+    prompt was never saved. The warm engine computes only the last 16 tokens, as
+    an engine without kvpool does on a local prefix-cache hit: that is the run
+    its output must equal bit for bit (a full prefill sums in another order)."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    rng = random.Random(7)
+    long = [rng.randrange(10, 1000) for _ in range(2000)]
+    extra = {"pool_file": pool_file, "staging_bytes": "256KiB"}
+    base = run_engine(spec(tiny_model, "none", prompts=[long, long]))
+    a = run_engine(spec(tiny_model, "kvpool", prompts=[long], extra=extra))
+    b = run_engine(spec(tiny_model, "kvpool", prompts=[long], extra=extra))
+    cold, local_hit = base["results"]
+    assert local_hit["cached_tokens"] == 1984
+    for run, want in ((a, cold), (b, local_hit)):
+        (got,) = run["results"]
+        assert (got["tokens"], got["logprobs"]) == (want["tokens"], want["logprobs"])
+    assert a["results"][0]["cached_tokens"] == 0
+    assert b["results"][0]["cached_tokens"] == 1984  # every whole chunk but the last token's
+    assert "not saved" not in a["log"] + b["log"]

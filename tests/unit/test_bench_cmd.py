@@ -91,3 +91,49 @@ def main(argv: list[str]) -> int:
     from kvpool.cli.app import run
 
     return run(argv)
+
+
+def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
+    from kvpool.bench.engines import ConnectorRun, EngineBench, LengthRow
+    from kvpool.bench.shapes import SHAPES
+    from kvpool.cli.bench_vllm_cmd import engine_bench_legend, engine_bench_table
+
+    hit = ConnectorRun("kvpool", (LengthRow(4000, 8.0, 1.0, 3968, True),), 1 << 20, 125)
+    miss = ConnectorRun("mooncake", (LengthRow(4000, 8.0, 7.9, 0, True),), 0, 0)
+    result = EngineBench(SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,), (hit, miss))
+    assert result.verdict(hit, 0) == "8.0x"
+    assert result.verdict(miss, 0) == "no hits" and result.load_gbps(miss, 0) is None
+    # 3968 tokens of 128 KiB in the 0.5 s beyond a local hit: 1.04 GB/s
+    gbps = result.load_gbps(hit, 0)
+    assert gbps is not None and abs(gbps - 3968 * 131072 / 0.5 / 1e9) < 1e-9
+    console = Console(width=250, record=True)
+    console.print(engine_bench_table(result))
+    text = console.export_text()
+    kv_row = next(line for line in text.splitlines() if "kvpool" in line and "4000" in line)
+    mc_row = next(line for line in text.splitlines() if "mooncake" in line and "4000" in line)
+    assert "100%" in kv_row and "1.04" in kv_row and "8.0x" in kv_row
+    assert "no hits" in mc_row and "x" not in mc_row.split()[-2:] and "0%" in mc_row
+    assert "128 KiB of KV per token" in text
+    assert "32 layers, 8 KV heads x 128, bfloat16" in engine_bench_legend(result)
+
+
+def test_shapes_have_real_models_kv_sizes_and_custom_ones_parse() -> None:
+    from kvpool.bench.shapes import SHAPES, parse_shape
+
+    kib = {name: s.kv_bytes_per_token // 1024 for name, s in SHAPES.items()}
+    assert kib["llama3-8b"] == 128 and kib["qwen2.5-7b"] == 56 and kib["llama3-70b-tp8"] == 40
+    custom = parse_shape("16x8x128:float32")
+    assert (custom.layers, custom.kv_heads, custom.head_dim, custom.dtype) == (
+        16,
+        8,
+        128,
+        "float32",
+    )
+    assert custom.kv_bytes_per_token == 128 << 10
+    assert parse_shape("4x2x64").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unknown shape"):
+        parse_shape("llama9")
+    with pytest.raises(ValueError, match="head size >= 32"):
+        parse_shape("4x2x16")
+    with pytest.raises(ValueError, match="dtype must be"):
+        parse_shape("4x2x64:int8")

@@ -1,14 +1,22 @@
-"""``kvpool bench vllm``: kvpool's connector beside vLLM's in-tree Mooncake connector.
+"""``kvpool bench vllm``: connectors at a real model's KV size, a row per prompt length.
 
-    run_engine_bench(workdir, ...) -> EngineBench
+    run_engine_bench(workdir, shape=..., lengths=(1000, 4000), ...) -> EngineBench
 
-One workload, one engine build, one pool: for each connector a *cold* engine
-(saves) and then a *warm* engine in a fresh process (loads) run the same
-prompts one at a time; the cold engine stays up until its saves are in the
-pool (or 60 s passed). Reported per connector: cold and warm time to first
-token (medians over the prompts), bytes the pool holds after the cold run,
-keys probed per lookup, and whether the warm outputs equal the cold ones.
-A run without any connector gives the compute-only baseline.
+One random model with a real model's KV shape (``kvpool.bench.shapes``), one
+pool, one prompt per length (distinct random tokens). A *baseline* engine with
+no connector runs each prompt twice: a full prefill, then a local prefix-cache
+hit (what the best possible load would leave to compute). For each connector a
+*cold* engine saves and stays up until its saves are in the pool (or 120 s
+passed), then a *warm* engine in a fresh process (empty local cache, as after a
+restart or on another replica) runs the same prompts. Every engine first runs
+one unrelated prompt as long as the longest, so no measured request pays the
+process's first touch of its memory.
+
+Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
+TTFT over the prefill's, and the load rate (hit bytes over the warm TTFT minus
+the local-hit TTFT). A warm run with no hits is a "no hits" verdict, never a
+speedup. Outputs are compared with the local-hit run, whose computation (only
+the uncached tail) the warm run repeats.
 """
 
 from __future__ import annotations
@@ -16,47 +24,84 @@ from __future__ import annotations
 import json
 import os
 import random
-import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
+from kvpool.demo.engine import warmup_prompt
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 
-__all__ = ["ConnectorRun", "EngineBench", "run_engine_bench"]
+__all__ = ["ConnectorRun", "EngineBench", "LengthRow", "run_engine_bench"]
 
 Progress = Callable[[str, int, int], None]
+
+BLOCK = 32
+MAX_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LengthRow:
+    """One connector at one prompt length."""
+
+    tokens: int  # prompt length
+    cold_ttft_s: float
+    warm_ttft_s: float
+    hit_tokens: int  # prompt tokens the warm engine found cached (all from the pool)
+    identical: bool  # warm output == the baseline's local-hit output
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over what any connector can hit (whole chunks, never the last token)."""
+        return self.hit_tokens / max(1, (self.tokens - 1) // BLOCK * BLOCK)
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorRun:
     name: str
-    cold_ttft_s: float  # median over prompts
-    warm_ttft_s: float
+    rows: tuple[LengthRow, ...]
     bytes_stored: int  # pool bytes added by the cold run
     keys_stored: int
-    warm_hit_tokens: int
-    identical: bool  # warm outputs == no-connector outputs
+
+    @property
+    def warm_hit_tokens(self) -> int:
+        return sum(r.hit_tokens for r in self.rows)
+
+    @property
+    def identical(self) -> bool:
+        return all(r.identical for r in self.rows)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineBench:
-    baseline_ttft_s: float
+    shape: ModelShape
+    lengths: tuple[int, ...]
+    prefill_s: tuple[float, ...]  # baseline TTFT per length: a full prefill
+    local_hit_s: tuple[float, ...]  # baseline TTFT per length: a local prefix-cache hit
     runs: tuple[ConnectorRun, ...]
-    prompt_tokens: tuple[int, ...]
+
+    def load_gbps(self, run: ConnectorRun, i: int) -> float | None:
+        """Hit bytes over the time the warm request spent beyond a local hit."""
+        row = run.rows[i]
+        extra = row.warm_ttft_s - self.local_hit_s[i]
+        if row.hit_tokens == 0 or extra <= 0:
+            return None
+        return row.hit_tokens * self.shape.kv_bytes_per_token / extra / 1e9
+
+    def verdict(self, run: ConnectorRun, i: int) -> str:
+        row = run.rows[i]
+        if row.hit_tokens == 0:
+            return "no hits"
+        return f"{self.prefill_s[i] / row.warm_ttft_s:.1f}x"
 
 
-def _prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+def _prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10, 1000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def _median_ttft(result: dict[str, Any]) -> float:
-    return float(statistics.median(r["ttft_s"] for r in result["results"]))
+    return [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
 
 
 def _run_cold(
@@ -66,91 +111,114 @@ def _run_cold(
     progress: Progress,
     metrics_url: str,
     before: dict[str, float],
-    prompts: list[list[int]],
 ) -> dict[str, Any]:
     """The cold engine, kept alive until its saves completed in the pool (every
     connector saves in the background; an engine that exits at once loses the
-    last prompt's saves, and its warm run then misses them). Completed, not
-    merely counted: the master counts a key from the start of its put."""
-    chunks = distinct_chunks(prompts)
+    last prompt's saves). Completed, not merely counted: the master counts a key
+    from the start of its put."""
+    prompts = spec["prompts"]
+    chunks = distinct_chunks([*prompts, warmup_prompt(max(len(p) for p in prompts))])
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
-    cold_spec = {**spec, "phases": [spec["prompts"]]}
+    cold_spec = {**spec, "phases": [prompts]}
     del cold_spec["prompts"]
     session = EngineSession.start(
         cold_spec, workdir, f"{name}-cold", on_progress=lambda n: progress(phase, n, len(prompts))
     )
     with session:
-        session.next_phase(timeout=900)
+        session.next_phase(timeout=3600)
         base = completed_puts(before)
         wait_until(
             lambda: completed_puts(master_metrics(metrics_url)) - base >= chunks,
-            60.0,
+            120.0,
             step=0.2,
         )
-        return session.finish(timeout=120)
+        return session.finish(timeout=300)
+
+
+def _mooncake_env(workdir: Path, master_address: str) -> dict[str, str]:
+    """vLLM's in-tree Mooncake connector reads its settings from a file."""
+    mc_config = workdir / "mooncake.json"
+    mc_config.write_text(
+        json.dumps(
+            {
+                "local_hostname": "127.0.0.1",
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_address,
+                "protocol": "tcp",
+                "device_name": "",
+                "mode": "standalone-store",
+                "global_segment_size": 0,
+                "local_buffer_size": "64MB",
+            }
+        )
+    )
+    return {
+        "MOONCAKE_CONFIG_PATH": str(mc_config),
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+    }
 
 
 def run_engine_bench(
     workdir: Path,
     *,
-    prompts: int = 4,
-    min_tokens: int = 2000,
-    max_tokens: int = 3000,
-    layers: int = 8,
-    hidden: int = 512,
+    shape: ModelShape = SHAPES["llama3-8b"],
+    lengths: Sequence[int] = (1000, 4000),
     connectors: tuple[str, ...] = ("kvpool", "mooncake"),
+    extra: dict[str, Any] | None = None,
     on_progress: Progress | None = None,
 ) -> EngineBench:
+    """``extra``: kvpool connector settings (``kv_connector_extra_config``)."""
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
+    longest = max(lengths)
     model = build_tiny_llama(
-        workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64
+        workdir / "model",
+        layers=shape.layers,
+        hidden=TINY_HIDDEN,
+        heads=shape.kv_heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_positions=longest + 2 * MAX_TOKENS + BLOCK,
     )
-    ids = _prompts(prompts, min_tokens, max_tokens)
+    ids = _prompts(lengths)
+    kv_bytes = sum(lengths) * shape.kv_bytes_per_token
+    # The engine's KV cache holds the longest prompt and the warm-up one beside it.
+    kv_gib = -(-(2 * (longest + BLOCK) * shape.kv_bytes_per_token) // (1 << 30)) + 1
     base_spec: dict[str, Any] = {
         "model": str(model),
-        "prompts": ids,
-        "max_tokens": 4,
-        "block_size": 32,
+        "max_tokens": MAX_TOKENS,
+        "block_size": BLOCK,
+        "dtype": shape.dtype,
+        "max_model_len": longest + 2 * MAX_TOKENS + BLOCK,
+        "warmup": True,
         "progress": True,
+        "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},
     }
+    twice = [p for p in ids for _ in range(2)]
     baseline = run_engine(
-        {**base_spec, "connector": "none"}, workdir / "none.json", "no connector", progress
+        {**base_spec, "prompts": twice, "connector": "none"},
+        workdir / "none.json",
+        "no connector",
+        progress,
     )
+    full, local_hit = baseline["results"][0::2], baseline["results"][1::2]
     runs = []
-    pool = LocalPool.start(workdir / "pool", segment_size=2 << 30)
+    # Room for every connector's objects, with headroom for headers and slack.
+    pool = LocalPool.start(workdir / "pool", segment_size=max(2 << 30, 2 * kv_bytes * 5 // 4))
     try:
         cfg = pool.config()
         pool_file = pool.write_pool_file(workdir / "pool.json")
-        mc_config = workdir / "mooncake.json"
-        mc_config.write_text(
-            json.dumps(
-                {
-                    "local_hostname": "127.0.0.1",
-                    "metadata_server": "P2PHANDSHAKE",
-                    "master_server_address": cfg.master_address,
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "mode": "standalone-store",
-                    "global_segment_size": 0,
-                    "local_buffer_size": "64MB",
-                }
-            )
-        )
-        env = {
-            "MOONCAKE_CONFIG_PATH": str(mc_config),
-            "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
-        }
+        env = _mooncake_env(workdir, cfg.master_address)
         for name in connectors:
-            spec = {**base_spec, "connector": name}
+            spec = {**base_spec, "prompts": ids, "connector": name}
             if name == "kvpool":
-                spec["extra"] = {"pool_file": str(pool_file)}
+                spec["extra"] = {"pool_file": str(pool_file), **(extra or {})}
             before = master_metrics(cfg.metrics_url)
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
-                cold = _run_cold(spec, workdir, name, progress, cfg.metrics_url, before, ids)
+                cold = _run_cold(spec, workdir, name, progress, cfg.metrics_url, before)
                 after = master_metrics(cfg.metrics_url)
                 warm = run_engine(spec, workdir / f"{name}-warm.json", f"{name} warm", progress)
             finally:
@@ -159,24 +227,35 @@ def run_engine_bench(
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-            same = all(
-                outputs_match(w, b)
-                for w, b in zip(warm["results"], baseline["results"], strict=True)
+            rows = tuple(
+                LengthRow(
+                    n,
+                    c["ttft_s"],
+                    w["ttft_s"],
+                    w["cached_tokens"],
+                    outputs_match(w, h),
+                )
+                for n, c, w, h in zip(
+                    lengths, cold["results"], warm["results"], local_hit, strict=True
+                )
             )
             runs.append(
                 ConnectorRun(
                     name,
-                    _median_ttft(cold),
-                    _median_ttft(warm),
+                    rows,
                     int(
                         after.get("master_allocated_bytes", 0)
                         - before.get("master_allocated_bytes", 0)
                     ),
                     int(after.get("master_key_count", 0) - before.get("master_key_count", 0)),
-                    sum(r["cached_tokens"] for r in warm["results"]),
-                    same,
                 )
             )
     finally:
         pool.stop()
-    return EngineBench(_median_ttft(baseline), tuple(runs), tuple(len(p) for p in ids))
+    return EngineBench(
+        shape,
+        tuple(lengths),
+        tuple(r["ttft_s"] for r in full),
+        tuple(r["ttft_s"] for r in local_hit),
+        tuple(runs),
+    )

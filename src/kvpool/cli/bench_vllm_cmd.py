@@ -1,7 +1,9 @@
 """``kvpool bench vllm``: our connector beside vLLM's in-tree Mooncake connector.
 
 Runs ``kvpool.bench.engines.run_engine_bench`` (real vLLM engines on a private
-pool) with progress bars and prints one table of ratios. Takes minutes.
+pool, a random model with a real model's KV shape) with progress bars and
+prints a row per connector and prompt length. Takes minutes (a 16k-token
+prompt at 128 KiB per token: tens of minutes on two cores).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import tempfile
 from pathlib import Path
 
 import click
+from rich import box
 from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
+from kvpool.bench.shapes import SHAPES, parse_shape
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.console import PhaseBars, console
 
@@ -22,88 +26,128 @@ __all__ = ["engine_bench_table"]
 
 
 def engine_bench_table(result: EngineBench) -> Table:
-    """One row per connector; ratios against the first (kvpool)."""
+    """One row per connector and prompt length, beside the no-connector baseline."""
     t = Table(
-        title=f"vLLM engines, prompts of {min(result.prompt_tokens)}-"
-        f"{max(result.prompt_tokens)} tokens, one at a time; "
-        f"no-connector TTFT {result.baseline_ttft_s * 1000:.0f} ms"
+        title=f"vLLM engines, {result.shape.kv_bytes_per_token >> 10} KiB of KV per token",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
     )
-    for name in (
-        "connector",
-        "cold TTFT",
-        "warm TTFT",
-        "cold/warm",
-        "pool MiB",
-        "keys",
-        "warm hits",
-        "match",
-    ):
+    for name in ("connector", "tokens", "prefill", "local", "cold", "warm", "hits", "GB/s"):
         t.add_column(name, justify="left" if name == "connector" else "right", no_wrap=True)
-    for r in result.runs:
-        t.add_row(
-            r.name,
-            f"{r.cold_ttft_s * 1000:.0f} ms",
-            f"{r.warm_ttft_s * 1000:.0f} ms",
-            f"{r.cold_ttft_s / r.warm_ttft_s:.1f}x" if r.warm_ttft_s else "-",
-            f"{r.bytes_stored / 2**20:.1f}",
-            str(r.keys_stored),
-            str(r.warm_hit_tokens),
-            "yes" if r.identical else "no",
-        )
-    if len(result.runs) == 2 and result.runs[0].warm_ttft_s > 0:
-        a, b = result.runs
-        warm = b.warm_ttft_s / a.warm_ttft_s
-        cold = a.cold_ttft_s / b.cold_ttft_s
-        t.caption = (
-            f"warm TTFT {b.name}/{a.name}: {warm:.2f}x; cold TTFT {a.name}/{b.name}: {cold:.2f}x"
-        )
+    t.add_column("speedup", no_wrap=True)
+    t.add_column("same", justify="right", no_wrap=True)
+    for run in result.runs:
+        for i, row in enumerate(run.rows):
+            gbps = result.load_gbps(run, i)
+            t.add_row(
+                run.name,
+                str(row.tokens),
+                f"{result.prefill_s[i] * 1000:.0f}",
+                f"{result.local_hit_s[i] * 1000:.0f}",
+                f"{row.cold_ttft_s * 1000:.0f}",
+                f"{row.warm_ttft_s * 1000:.0f}",
+                f"{row.hit_rate:.0%}",
+                f"{gbps:.2f}" if gbps is not None else "-",
+                result.verdict(run, i),
+                "yes" if row.identical else "no",
+            )
+    stored = "; ".join(
+        f"{r.name} stored {r.keys_stored} keys, {r.bytes_stored / 2**20:.1f} MiB"
+        for r in result.runs
+    )
+    t.caption = stored
     return t
 
 
+def engine_bench_legend(result: EngineBench) -> str:
+    """What the table's columns mean (printed under it)."""
+    return (
+        f"{result.shape.describe()}, one prompt at a time. TTFT in ms. prefill, local: "
+        "an engine without a connector, the prompt cold, then from its own prefix "
+        "cache; cold, warm: the connector's engines; hits: of the whole chunks; GB/s: "
+        "hit bytes over (warm - local), the load rate; speedup: prefill / warm; same: "
+        "warm output = local's."
+    )
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 64:
+        raise click.BadParameter(
+            "comma-separated prompt lengths of at least 64 tokens, e.g. 1000,4000,16000",
+            param_hint="--lengths",
+        )
+    return out
+
+
 @bench.command("vllm")
-@click.option("--prompts", default=4, show_default=True, type=click.IntRange(1, 64))
-@click.option("--min-tokens", default=2000, show_default=True, type=click.IntRange(64, 3500))
-@click.option("--max-tokens", default=3000, show_default=True, type=click.IntRange(65, 3600))
-@click.option("--layers", default=8, show_default=True, type=click.IntRange(1, 64))
-@click.option("--hidden", default=512, show_default=True, type=click.IntRange(64, 4096))
+@click.option(
+    "--shape",
+    default="llama3-8b",
+    show_default=True,
+    help=f"KV shape: one of {', '.join(SHAPES)}, or LxHxD[:dtype] (layers, KV heads, "
+    "head size), e.g. 16x8x128:float32. The model is random with a tiny hidden size.",
+)
+@click.option(
+    "--lengths",
+    default="1000,4000",
+    show_default=True,
+    help="Comma-separated prompt lengths in tokens: one row each.",
+)
 @click.option(
     "--connectors",
     default="kvpool,mooncake",
     show_default=True,
     help="Comma-separated: kvpool, mooncake (vLLM's in-tree MooncakeStoreConnector).",
 )
+@click.option(
+    "--extra",
+    default="{}",
+    show_default=True,
+    help='kvpool connector settings as JSON, e.g. \'{"staging_bytes": "64MiB"}\'.',
+)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
 def bench_vllm(
-    prompts: int,
-    min_tokens: int,
-    max_tokens: int,
-    layers: int,
-    hidden: int,
+    shape: str,
+    lengths: str,
     connectors: str,
+    extra: str,
     workdir: Path | None,
     as_json: bool,
 ) -> None:
-    """Warm and cold TTFT with kvpool's and vLLM's in-tree connector, same pool."""
+    """TTFT at a real model's KV size: kvpool, vLLM's in-tree connector, no connector."""
     from kvpool.bench.engines import run_engine_bench
 
+    try:
+        model_shape = parse_shape(shape)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shape") from None
     names = tuple(n.strip() for n in connectors.split(",") if n.strip())
     if not names or set(names) - {"kvpool", "mooncake"}:
         raise click.BadParameter("use kvpool and/or mooncake", param_hint="--connectors")
-    if min_tokens >= max_tokens:
-        raise click.BadParameter("must exceed --min-tokens", param_hint="--max-tokens")
+    try:
+        settings = json.loads(extra)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--extra") from None
+    if not isinstance(settings, dict):
+        raise click.BadParameter("a JSON object of settings", param_hint="--extra")
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp, PhaseBars() as bars:
         result = run_engine_bench(
             workdir or Path(tmp),
-            prompts=prompts,
-            min_tokens=min_tokens,
-            max_tokens=max_tokens,
-            layers=layers,
-            hidden=hidden,
+            shape=model_shape,
+            lengths=_lengths(lengths),
             connectors=names,
+            extra=settings,
             on_progress=bars,
         )
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
         console.print(engine_bench_table(result))
+        console.print(engine_bench_legend(result))

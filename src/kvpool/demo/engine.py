@@ -47,6 +47,12 @@ _ENV = {
 }
 
 
+def warmup_prompt(n: int) -> list[int]:
+    """The unrelated prompt of ``n`` tokens that ``"warmup"`` runs first (a
+    connector saves it like any other prompt)."""
+    return [5 + (i * 7919) % 991 for i in range(n)]
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
@@ -110,8 +116,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # and activation memory): run one unrelated prompt as long as the longest
         # so that no measured request pays it.
         prompts = spec.get("prompts") or [p for phase in spec["phases"] for p in phase]
-        n = max(len(p) for p in prompts)
-        warm = TokensPrompt(prompt_token_ids=[5 + (i * 7919) % 991 for i in range(n)])
+        warm = TokensPrompt(prompt_token_ids=warmup_prompt(max(len(p) for p in prompts)))
         llm.generate([warm], greedy, use_tqdm=False)
     if "phases" in spec:
         phases: list[list[dict[str, Any]]] = []

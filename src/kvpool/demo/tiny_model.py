@@ -1,8 +1,11 @@
 """Build a tiny random Llama and a byte-level BPE tokenizer in a folder, offline.
 
-    build_tiny_llama(folder, layers=2, hidden=128, heads=4, kv_heads=2, seed=0)
+    build_tiny_llama(folder, layers=2, hidden=128, heads=4, kv_heads=2, seed=0,
+                     head_dim=None)
 
-vLLM's CPU attention needs head size >= 32 (hidden / heads). Weights are random
+vLLM's CPU attention needs head size >= 32 (``head_dim``, by default hidden /
+heads); an explicit ``head_dim`` gives a real model's KV shape with a tiny
+hidden size (``kvpool.bench.shapes``). Weights are random
 (seeded), so outputs are meaningless but deterministic: good for comparing a
 run with the pool against one without. Needs ``transformers`` and
 ``tokenizers`` (both come with vLLM).
@@ -31,6 +34,7 @@ def build_tiny_llama(
     intermediate: int = 256,
     max_positions: int = 4096,
     seed: int = 0,
+    head_dim: int | None = None,
 ) -> Path:
     """Write the model and tokenizer into ``folder`` (reused if already built alike)."""
     folder = Path(folder)
@@ -42,12 +46,15 @@ def build_tiny_llama(
         "intermediate": intermediate,
         "max_positions": max_positions,
         "seed": seed,
+        "head_dim": head_dim,
     }
     stamp = folder / "kvpool-tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == spec:
         return folder
-    if hidden // heads < 32:
-        raise ValueError("vLLM's CPU attention needs hidden / heads >= 32")
+    if (head_dim or hidden // heads) < 32:
+        raise ValueError(
+            "vLLM's CPU attention needs a head size (head_dim or hidden / heads) >= 32"
+        )
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -81,6 +88,7 @@ def build_tiny_llama(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
+        **({"head_dim": head_dim} if head_dim else {}),
         tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

@@ -100,7 +100,9 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
 
     hit = ConnectorRun("kvpool", (LengthRow(4000, 8.0, 1.0, 3968, True),), 1 << 20, 125)
     miss = ConnectorRun("mooncake", (LengthRow(4000, 8.0, 7.9, 0, True),), 0, 0)
-    result = EngineBench(SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,), (hit, miss))
+    result = EngineBench(SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,), (hit, miss), (0.1,))
+    assert result.load_vs_copy(hit, 0) == pytest.approx(5.0)  # 0.5 s of load, 0.1 s a copy
+    assert result.load_vs_copy(miss, 0) is None
     assert result.verdict(hit, 0) == "8.0x"
     assert result.verdict(miss, 0) == "no hits" and result.load_gbps(miss, 0) is None
     # 3968 tokens of 128 KiB in the 0.5 s beyond a local hit: 1.04 GB/s
@@ -111,10 +113,17 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     text = console.export_text()
     kv_row = next(line for line in text.splitlines() if "kvpool" in line and "4000" in line)
     mc_row = next(line for line in text.splitlines() if "mooncake" in line and "4000" in line)
-    assert "100%" in kv_row and "1.04" in kv_row and "8.0x" in kv_row
+    assert "100%" in kv_row and "1.04" in kv_row and "8.0x" in kv_row and " 5.0 " in kv_row
     assert "no hits" in mc_row and "x" not in mc_row.split()[-2:] and "0%" in mc_row
     assert "128 KiB of KV per token" in text
     assert "32 layers, 8 KV heads x 128, bfloat16" in engine_bench_legend(result)
+
+
+def test_copy_seconds_times_a_real_copy() -> None:
+    from kvpool.bench.engines import copy_seconds
+
+    small, big = copy_seconds(1 << 20), copy_seconds(64 << 20)
+    assert 0 < small < big  # a copy 64 times bigger takes longer, on any machine
 
 
 def test_shapes_have_real_models_kv_sizes_and_custom_ones_parse() -> None:

@@ -10,13 +10,15 @@ hit (what the best possible load would leave to compute). For each connector a
 passed), then a *warm* engine in a fresh process (empty local cache, as after a
 restart or on another replica) runs the same prompts. Every engine first runs
 one unrelated prompt as long as the longest, so no measured request pays the
-process's first touch of its memory.
+process's first-request costs (vLLM compiles its logprobs kernel on the first
+request that asks for logprobs: 2-4 s here; and the first touch of memory).
 
 Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
-TTFT over the prefill's, and the load rate (hit bytes over the warm TTFT minus
-the local-hit TTFT). A warm run with no hits is a "no hits" verdict, never a
-speedup. Outputs are compared with the local-hit run, whose computation (only
-the uncached tail) the warm run repeats.
+TTFT over the prefill's, the load rate (hit bytes over the warm TTFT minus the
+local-hit TTFT), and that load time over one plain memory copy of the same
+bytes (``copy_seconds``, measured in the same run). A warm run with no hits is
+a "no hits" verdict, never a speedup. Outputs are compared with the local-hit
+run, whose computation (only the uncached tail) the warm run repeats.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.engine import warmup_prompt
@@ -36,7 +42,7 @@ from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 
-__all__ = ["ConnectorRun", "EngineBench", "LengthRow", "run_engine_bench"]
+__all__ = ["ConnectorRun", "EngineBench", "LengthRow", "copy_seconds", "run_engine_bench"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -57,7 +63,25 @@ class LengthRow:
     @property
     def hit_rate(self) -> float:
         """Hit tokens over what any connector can hit (whole chunks, never the last token)."""
-        return self.hit_tokens / max(1, (self.tokens - 1) // BLOCK * BLOCK)
+        return self.hit_tokens / _hittable(self.tokens)
+
+
+def _hittable(tokens: int) -> int:
+    """Prompt tokens a connector can supply: whole chunks, never the last token."""
+    return max(1, (tokens - 1) // BLOCK * BLOCK)
+
+
+def copy_seconds(nbytes: int, repeats: int = 3) -> float:
+    """Median time of one numpy copy of ``nbytes`` between two touched buffers: the
+    memory-speed yardstick a load is measured against, on this machine, now."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +107,7 @@ class EngineBench:
     prefill_s: tuple[float, ...]  # baseline TTFT per length: a full prefill
     local_hit_s: tuple[float, ...]  # baseline TTFT per length: a local prefix-cache hit
     runs: tuple[ConnectorRun, ...]
+    copy_s: tuple[float, ...] = ()  # per length: one memory copy of a full hit's bytes
 
     def load_gbps(self, run: ConnectorRun, i: int) -> float | None:
         """Hit bytes over the time the warm request spent beyond a local hit."""
@@ -91,6 +116,15 @@ class EngineBench:
         if row.hit_tokens == 0 or extra <= 0:
             return None
         return row.hit_tokens * self.shape.kv_bytes_per_token / extra / 1e9
+
+    def load_vs_copy(self, run: ConnectorRun, i: int) -> float | None:
+        """The load's time (warm minus local hit) over one plain memory copy of its bytes."""
+        row = run.rows[i]
+        extra = row.warm_ttft_s - self.local_hit_s[i]
+        if row.hit_tokens == 0 or extra <= 0 or not self.copy_s:
+            return None
+        copy = self.copy_s[i] * row.hit_tokens / _hittable(row.tokens)
+        return extra / copy
 
     def verdict(self, run: ConnectorRun, i: int) -> str:
         row = run.rows[i]
@@ -252,10 +286,14 @@ def run_engine_bench(
             )
     finally:
         pool.stop()
+    progress("memory copy", 0, 1)
+    copies = tuple(copy_seconds(_hittable(n) * shape.kv_bytes_per_token) for n in lengths)
+    progress("memory copy", 1, 1)
     return EngineBench(
         shape,
         tuple(lengths),
         tuple(r["ttft_s"] for r in full),
         tuple(r["ttft_s"] for r in local_hit),
         tuple(runs),
+        copies,
     )

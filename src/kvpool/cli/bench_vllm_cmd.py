@@ -34,7 +34,17 @@ def engine_bench_table(result: EngineBench) -> Table:
         show_edge=False,
         collapse_padding=True,
     )
-    for name in ("connector", "tokens", "prefill", "local", "cold", "warm", "hits", "GB/s"):
+    for name in (
+        "connector",
+        "len",
+        "prefill",
+        "local",
+        "cold",
+        "warm",
+        "hits",
+        "GB/s",
+        "xcopy",
+    ):
         t.add_column(name, justify="left" if name == "connector" else "right", no_wrap=True)
     t.add_column("speedup", no_wrap=True)
     t.add_column("same", justify="right", no_wrap=True)
@@ -50,6 +60,7 @@ def engine_bench_table(result: EngineBench) -> Table:
                 f"{row.warm_ttft_s * 1000:.0f}",
                 f"{row.hit_rate:.0%}",
                 f"{gbps:.2f}" if gbps is not None else "-",
+                f"{ratio:.1f}" if (ratio := result.load_vs_copy(run, i)) is not None else "-",
                 result.verdict(run, i),
                 "yes" if row.identical else "no",
             )
@@ -64,10 +75,11 @@ def engine_bench_table(result: EngineBench) -> Table:
 def engine_bench_legend(result: EngineBench) -> str:
     """What the table's columns mean (printed under it)."""
     return (
-        f"{result.shape.describe()}, one prompt at a time. TTFT in ms. prefill, local: "
-        "an engine without a connector, the prompt cold, then from its own prefix "
+        f"{result.shape.describe()}, one prompt at a time (len: its tokens). TTFT in ms. "
+        "prefill, local: an engine without a connector, the prompt cold, then from its own prefix "
         "cache; cold, warm: the connector's engines; hits: of the whole chunks; GB/s: "
-        "hit bytes over (warm - local), the load rate; speedup: prefill / warm; same: "
+        "hit bytes over (warm - local), the load rate; xcopy: that time over one "
+        "memory copy of the same bytes; speedup: prefill / warm; same: "
         "warm output = local's."
     )
 

@@ -112,9 +112,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     startup = time.perf_counter() - t0
     greedy = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
     if spec.get("warmup"):
-        # The first long forward of a process costs ~1.5 s more (first touch of KV
-        # and activation memory): run one unrelated prompt as long as the longest
-        # so that no measured request pays it.
+        # A process's first request costs 2-4 s more: vLLM compiles its logprobs
+        # kernel the first time a request asks for logprobs (and memory is touched
+        # for the first time). Run one unrelated prompt as long as the longest so
+        # that no measured request pays it.
         prompts = spec.get("prompts") or [p for phase in spec["phases"] for p in phase]
         warm = TokensPrompt(prompt_token_ids=warmup_prompt(max(len(p) for p in prompts)))
         llm.generate([warm], greedy, use_tqdm=False)

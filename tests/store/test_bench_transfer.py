@@ -8,7 +8,7 @@ import pytest
 
 from kvpool.bench.transfer import run_transfer_bench
 from kvpool.pool import LocalPool
-from kvpool.transfer import TransferEngine
+from kvpool.transfer.loads import Loads
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -44,7 +44,7 @@ def test_both_paths_move_verified_bytes_and_report_positive_figures(local_pool: 
 def test_a_load_that_writes_nothing_counts_as_failures(
     local_pool: LocalPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TransferEngine, "_scatter", lambda self, piece, ok: None)
+    monkeypatch.setattr(Loads, "_scatter", lambda self, piece, ok: None)
     bench = run_transfer_bench(local_pool.config(), sizes=(256 * KiB,), total_bytes=1 * MiB,
                                repeats=1, paths=("shm",), hook_steps=0,
                                staging_bytes=4 * MiB)  # fmt: skip
@@ -71,7 +71,7 @@ def test_cli_prints_json_and_exits_0(
 def test_cli_exits_1_when_bytes_come_back_different(
     local_pool: LocalPool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(TransferEngine, "_scatter", lambda self, piece, ok: None)
+    monkeypatch.setattr(Loads, "_scatter", lambda self, piece, ok: None)
     pool_file = local_pool.write_pool_file(local_pool.home / "pool.json")
     rc = main(["bench", "transfer", "--pool-file", str(pool_file), "--object-sizes",
                "256KiB", "--total", "1MiB", "--repeats", "1", "--paths", "shm",

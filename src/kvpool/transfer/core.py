@@ -1,0 +1,165 @@
+"""What a transfer engine's saves and loads share.
+
+    Core(store, groups, copier, staging_base)
+    sizes(chunks), staged(offsets, sizes), kv_segments(chunks)
+                        object sizes, and scatter lists in staging or in the KV
+                        tensors themselves
+    known / remember(keys) / forget(keys)
+                        keys stored or loaded recently (saves skip them without
+                        a store call); bounded, oldest dropped first
+    counting()          hold the counters' lock to change ``stats``
+    snapshot()          a copy of the counters; ``version`` changes with them
+    publish(result)     a finished job, for ``take``, ``wait_any`` and ``wait``
+
+Thread safe: saves, loads and the caller's thread use one Core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from kvpool.kvcache import GroupKV
+from kvpool.store.base import KVStore, Scatter, Status
+from kvpool.transfer.copies import KVCopier
+from kvpool.transfer.records import ChunkRef, JobResult, TransferStats
+
+__all__ = ["Core", "all_ok"]
+
+
+class Core:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        groups: list[GroupKV],
+        copier: KVCopier,
+        staging_base: int,
+        known_keys: int = 65536,
+    ) -> None:
+        self.store = store
+        self.groups = groups
+        self.copier = copier
+        self.staging_base = staging_base
+        self.known: OrderedDict[str, None] = OrderedDict()
+        self.known_lock = threading.Lock()
+        self._known_max = known_keys
+        self.stats = TransferStats()
+        self._stats_lock = threading.Lock()
+        self.version = 0  # bumped by counting, with every change of stats
+        self._done: deque[JobResult] = deque()
+        self._done_cond = threading.Condition()
+
+    # -- sizes and scatter lists ---------------------------------------------------
+
+    def object_nbytes(self, c: ChunkRef) -> int:
+        return self.groups[c.group].object_nbytes(len(c.block_ids))
+
+    def sizes(self, chunks: Sequence[ChunkRef]) -> list[int]:
+        """``object_nbytes`` of each chunk (one computation when all are alike)."""
+        if not chunks:
+            return []
+        first = chunks[0]
+        n = self.object_nbytes(first)
+        g, b = first.group, len(first.block_ids)
+        if all(c.group == g and len(c.block_ids) == b for c in chunks):
+            return [n] * len(chunks)
+        return [self.object_nbytes(c) for c in chunks]
+
+    def staged(self, offsets: Sequence[int], sizes: Sequence[int]) -> Scatter:
+        """One-segment objects at ``offsets`` (absolute) of staging."""
+        base = self.staging_base
+        return Scatter([[base + o] for o in offsets], [[n] for n in sizes])
+
+    def kv_segments(self, chunks: Sequence[ChunkRef]) -> Scatter:
+        """Per chunk, its object's scatter list in the KV tensors themselves (one
+        vectorised call per run of chunks of one group and block count)."""
+        addrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        i = 0
+        while i < len(chunks):
+            g, n = chunks[i].group, len(chunks[i].block_ids)
+            j = i
+            while j < len(chunks) and chunks[j].group == g and len(chunks[j].block_ids) == n:
+                j += 1
+            ids = np.array([c.block_ids for c in chunks[i:j]], dtype=np.int64)
+            a, z = self.groups[g].columns(ids)
+            addrs += a
+            sizes += z
+            i = j
+        return Scatter(addrs, sizes)  # kvcache builds valid columns
+
+    # -- keys stored recently --------------------------------------------------------
+
+    def remember(self, keys: Iterable[str]) -> None:
+        with self.known_lock:
+            for k in keys:
+                self.known[k] = None
+                self.known.move_to_end(k)
+            while len(self.known) > self._known_max:
+                self.known.popitem(last=False)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        with self.known_lock:
+            for k in keys:
+                self.known.pop(k, None)
+
+    # -- counters --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Hold the counters' lock to change ``stats``; bumps ``version``."""
+        with self._stats_lock:
+            self.version += 1
+            yield
+
+    def snapshot(self) -> TransferStats:
+        with self._stats_lock:
+            return self.stats.copy()
+
+    # -- finished jobs ---------------------------------------------------------------
+
+    def publish(self, result: JobResult) -> None:
+        with self._done_cond:
+            self._done.append(result)
+            self._done_cond.notify_all()
+
+    def take(self) -> list[JobResult]:
+        """Every published result not taken yet, oldest first."""
+        with self._done_cond:
+            out = list(self._done)
+            self._done.clear()
+            return out
+
+    def wait_any(self, timeout: float) -> bool:
+        with self._done_cond:
+            return self._done_cond.wait_for(lambda: bool(self._done), timeout)
+
+    def wait(self, job_ids: Iterable[Hashable], timeout: float | None) -> list[JobResult]:
+        want = set(job_ids)
+        got: list[JobResult] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._done_cond:
+            while True:
+                keep: deque[JobResult] = deque()
+                for r in self._done:
+                    (got if r.job_id in want else keep).append(r)
+                self._done = keep
+                want -= {r.job_id for r in got}
+                if not want:
+                    return got
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return got
+                self._done_cond.wait(left)
+
+
+def all_ok(statuses: dict[str, Status]) -> bool:
+    """Every key OK (one C-level count, not a property call per key)."""
+    return list(statuses.values()).count(Status.OK) == len(statuses)

@@ -1,0 +1,243 @@
+"""The save path: stage a job's chunks piece by piece, put each piece, free it.
+
+    Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue)
+    submit(job_id, chunks)   the caller's thread: skip keys stored recently, then
+                             stage piece by piece (waiting while puts free staging)
+                             and queue the job; False when some of it was refused
+    run(job)                 the save thread: put each piece once staged, free its
+                             staging, remember what is stored, publish the result
+    in_backpressure          saves are refused until a put failure's back-off ends
+
+Rules (the contract is ``kvpool.transfer.engine``'s): a staged save reads KV
+blocks only inside ``submit``; a wait that sees no put free staging for
+``wait_s`` refuses the rest of the job ("staging_busy") and later saves refuse
+at once until a put frees space; NO_SPACE, TRANSFER_FAILED or UNAVAILABLE on a
+put starts a growing back-off ("backpressure"). Refusals are counted per cause
+and logged at most once a minute per cause, saying what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+from kvpool.store.base import Status
+from kvpool.transfer import pieces
+from kvpool.transfer.arena import StagingArena
+from kvpool.transfer.core import Core
+from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece
+
+__all__ = ["NOTE_INTERVAL_S", "Saves"]
+
+logger = logging.getLogger("kvpool.transfer.engine")
+
+NOTE_INTERVAL_S = 60.0  # one log line per refusal cause at most this often
+
+_ADVICE = {
+    "staging_busy": "the pool freed no save staging for {wait:.1f} s; raise staging_bytes "
+    "if the pool is healthy but slower than the engine",
+    "backpressure": "puts failed recently and saves back off (see the warning before)",
+    "staging_error": "copying KV blocks into staging failed (see the error before)",
+}
+
+
+class Saves:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        core: Core,
+        arena: StagingArena,
+        budget: int,
+        wait_s: float,
+        backoff_s: tuple[float, float],
+        zero_copy: bool,
+        enqueue: Callable[[Job], None],
+    ) -> None:
+        self.core = core
+        self.enqueue = enqueue  # hands a job to the save thread
+        self.arena = arena
+        self.budget = budget
+        self.wait_s = wait_s
+        self.zero_copy = zero_copy
+        self.stuck = False  # a wait saw no put free staging: refuse at once
+        self._backoff = backoff_s
+        self._backoff_next = backoff_s[0]
+        self._pressure_until = 0.0
+        self._noted: dict[str, tuple[float, int]] = {}  # cause -> (last log, chunks since)
+        self._staged = threading.Condition()  # a job's staging progress (Job.staged)
+
+    @property
+    def in_backpressure(self) -> bool:
+        return time.monotonic() < self._pressure_until
+
+    # -- the caller's thread ---------------------------------------------------------
+
+    def submit(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
+        """Stage ``chunks``, the job queued for the put thread before its first piece
+        is staged; False if some were refused."""
+        core = self.core
+        job = Job(job_id, "save", [], time.monotonic())
+        with core.known_lock:
+            for c in sorted(chunks, key=lambda c: (c.group, c.chunk)):
+                if c.key in core.known:
+                    job.skipped += 1
+                    job.known.append(c.key)
+                else:
+                    job.chunks.append(c)
+        with core.counting():
+            core.stats.saves_submitted += 1
+            core.stats.chunks_skipped_known += job.skipped
+        if not job.chunks:
+            self.finish(job, {})
+            return True
+        if self.in_backpressure:
+            self._refuse(job, 0, "backpressure")
+            self.finish(job, {})
+            return False
+        job.pieces = pieces.cut(core.sizes(job.chunks), self.budget)
+        if self.zero_copy:  # put straight from the KV tensors
+            job.staged = [Piece(job, lo, hi, last=False) for lo, hi in job.pieces]
+            self.enqueue(job)
+            return True
+        self.enqueue(job)  # queued first: its first put starts once a piece is in
+        for lo, hi in job.pieces:
+            piece = self._stage(job, lo, hi)
+            with self._staged:
+                if isinstance(piece, str):  # refused from here on; the put thread finishes
+                    self._refuse(job, lo, piece)
+                else:
+                    job.staged.append(piece)
+                self._staged.notify_all()
+            if isinstance(piece, str):
+                return False
+        return True
+
+    def _stage(self, job: Job, lo: int, hi: int) -> Piece | str:
+        """Reserve staging for ``job.chunks[lo:hi]`` and copy their blocks in; the
+        reason when refused instead."""
+        chunks = job.chunks[lo:hi]
+        offsets, extent = pieces.place([c.group for c in chunks], self.core.sizes(chunks))
+        start = self.arena.alloc(extent)
+        if start is None and not self.stuck:  # wait while puts free space
+            t0 = time.monotonic()
+            start = self.arena.alloc(extent, wait=True, timeout=self.wait_s)
+            with self.core.counting():
+                self.core.stats.save_wait_s += time.monotonic() - t0
+            self.stuck = start is None
+        if start is None:
+            return "staging_busy"
+        piece = Piece(job, lo, hi, last=False, staging=start)
+        piece.offsets = [start + o for o in offsets]
+        try:
+            self.core.copier.gather(chunks, piece.offsets)
+        except Exception:
+            logger.exception("kvpool: copying KV blocks into staging failed; save refused")
+            self.arena.free(start)
+            return "staging_error"
+        return piece
+
+    def _refuse(self, job: Job, lo: int, reason: str) -> None:
+        """Count chunks ``lo:`` of a save as refused for ``reason`` (never put)."""
+        rest = job.chunks[lo:]
+        job.refused = reason
+        job.skipped += len(rest)
+        job.chunks = job.chunks[:lo]
+        job.refused_from = min(c.chunk for c in rest)
+        with self.core.counting():
+            self.core.stats.saves_refused[reason] += 1
+            self.core.stats.chunks_refused[reason] += len(rest)
+        self._note(reason, len(rest))
+
+    def _note(self, reason: str, chunks: int) -> None:
+        """Log a refusal: the first at once, then one line per cause and interval."""
+        now = time.monotonic()
+        last, count = self._noted.get(reason, (-NOTE_INTERVAL_S, 0))
+        count += chunks
+        if now - last < NOTE_INTERVAL_S:
+            self._noted[reason] = (last, count)
+            return
+        self._noted[reason] = (now, 0)
+        advice = _ADVICE.get(reason, reason).format(wait=self.wait_s)
+        logger.warning("kvpool: %d chunk(s) not saved (%s): %s", count, reason, advice)
+
+    # -- the save thread ---------------------------------------------------------------
+
+    def run(self, job: Job) -> None:
+        """Put each piece once the caller has staged it, then free its staging."""
+        core = self.core
+        statuses: dict[str, Status] = {}
+        put: list[Status] = []
+        nbytes = 0
+        ok, exists = Status.OK, Status.EXISTS
+        for n in range(len(job.pieces)):
+            piece = self._wait_staged(job, n)
+            if piece is None:  # the caller refused the rest (counted there)
+                break
+            chunks = job.chunks[piece.lo : piece.hi]
+            keys = [c.key for c in chunks]
+            sizes = core.sizes(chunks)
+            # zero copy: straight from the KV tensors
+            segs = core.kv_segments(chunks) if self.zero_copy else core.staged(piece.offsets, sizes)
+            try:
+                got = core.store.batch_put(keys, segs)
+            finally:
+                if piece.staging is not None:
+                    self.arena.free(piece.staging)
+                    self.stuck = False
+            statuses.update(zip(keys, got, strict=True))
+            if got.count(ok) == len(got):
+                nbytes += sum(sizes)
+            else:
+                nbytes += sum(n for n, st in zip(sizes, got, strict=True) if st is ok)
+            put += got
+        done, dup = put.count(ok), put.count(exists)
+        clean = done + dup == len(put)  # every put stored: no per-chunk pass below
+        core.remember(statuses if clean else (k for k, s in statuses.items() if s.stored))
+        pressing = (Status.NO_SPACE, Status.TRANSFER_FAILED, Status.UNAVAILABLE)
+        trouble = None if clean else next((s for s in put if s in pressing), None)
+        if trouble is not None:
+            self._enter_backpressure(trouble)
+        elif put:
+            self._backoff_next = self._backoff[0]
+        with core.counting():
+            core.stats.chunks_skipped_exist += dup
+            core.stats.chunks_put += done
+            core.stats.bytes_put += nbytes
+            if not clean:
+                core.stats.failures.update(s.value for s in put if not s.stored)
+        self.finish(job, statuses, nbytes)
+
+    def _wait_staged(self, job: Job, n: int) -> Piece | None:
+        """Piece ``n`` of ``job`` once the caller staged it; None if it was refused."""
+        with self._staged:
+            while len(job.staged) <= n and not job.refused:
+                self._staged.wait()
+            return job.staged[n] if len(job.staged) > n else None
+
+    def _enter_backpressure(self, cause: Status) -> None:
+        delay = self._backoff_next
+        self._backoff_next = min(self._backoff[1], delay * 2)
+        self._pressure_until = time.monotonic() + delay
+        with self.core.counting():
+            self.core.stats.backpressure_events += 1
+        logger.warning("pool put failed (%s); skipping saves for %.1f s", cause.value, delay)
+
+    def finish(self, job: Job, statuses: dict[str, Status], nbytes: int = 0) -> None:
+        skipped = job.skipped + list(statuses.values()).count(Status.EXISTS)
+        self.core.publish(
+            JobResult(
+                job.job_id,
+                "save",
+                statuses,
+                frozenset(),
+                skipped,
+                nbytes,
+                time.monotonic() - job.submitted,
+                tuple(job.known),
+                job.refused,
+                job.refused_from,
+            )
+        )

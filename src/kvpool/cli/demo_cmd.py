@@ -16,6 +16,7 @@ import click
 from rich.console import Group
 from rich.table import Table
 
+from kvpool.bench.shapes import parse_shape
 from kvpool.cli.console import PhaseBars
 from kvpool.demo.run import DemoReport
 
@@ -28,7 +29,10 @@ def _mib(n: float) -> str:
 
 def demo_tables(report: DemoReport) -> Group:
     """The per-request table and the totals, as one renderable."""
-    t = Table(title="kvpool demo: cold engine, then a fresh (warm) engine on the same pool")
+    t = Table(
+        title="kvpool demo: cold engine, then a fresh (warm) engine on the same pool",
+        caption=f"KV of {report.shape}" if report.shape else None,
+    )
     for name in (
         "request",
         "prompt tokens",
@@ -115,6 +119,12 @@ def _plot(report: DemoReport, path: Path) -> None:
 @click.option("--turns", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--document-tokens", default=1536, show_default=True, type=click.IntRange(32, 3000))
 @click.option(
+    "--shape",
+    default=None,
+    help="A real model's KV shape (e.g. llama3-8b, qwen2.5-7b; see `kvpool bench vllm "
+    "--help`) with a tiny hidden size; default: a small 4-layer model (about a minute).",
+)
+@click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -127,12 +137,21 @@ def _plot(report: DemoReport, path: Path) -> None:
     help="Write a PNG of cold vs warm time to first token.",
 )
 def demo(
-    conversations: int, turns: int, document_tokens: int, workdir: Path | None, plot: Path | None
+    conversations: int,
+    turns: int,
+    document_tokens: int,
+    shape: str | None,
+    workdir: Path | None,
+    plot: Path | None,
 ) -> None:
     """Run a cold and a warm vLLM engine sharing prefixes through a private pool."""
     from kvpool.cli.console import console
     from kvpool.demo.run import run_demo
 
+    try:
+        model_shape = parse_shape(shape) if shape else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shape") from None
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
@@ -145,6 +164,7 @@ def demo(
                 conversations=conversations,
                 turns=turns,
                 document_tokens=document_tokens,
+                shape=model_shape,
                 on_progress=bars,
             )
         console.print(demo_tables(report))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.bench.shapes import TINY_HIDDEN, ModelShape
 from kvpool.demo.session import EngineFailed, EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
 from kvpool.pool import LocalPool, master_metrics
@@ -69,6 +70,7 @@ class DemoReport:
     pool_bytes: int
     model: str
     extra: dict[str, Any] = field(default_factory=dict)
+    shape: str = ""  # the KV shape, described
 
     @property
     def identical(self) -> bool:
@@ -131,17 +133,33 @@ def run_demo(
     user_tokens: int = 96,
     layers: int = 4,
     hidden: int = 256,
+    shape: ModelShape | None = None,
     on_progress: Progress | None = None,
 ) -> DemoReport:
+    """``shape``: a real model's KV shape (``kvpool.bench.shapes``) instead of the
+    small default model (``layers``, ``hidden``, head size 64, float32)."""
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
     progress("model", 0, 1)
-    model = build_tiny_llama(
-        workdir / "model", layers=layers, hidden=hidden, heads=hidden // 64, kv_heads=hidden // 64
-    )
-    progress("model", 1, 1)
     requests = workload(conversations, turns, system_tokens, document_tokens, user_tokens)
-    pool = LocalPool.start(workdir / "pool", segment_size=1 << 30)
+    longest = max(len(ids) for _, ids in requests)
+    if shape is None:
+        shape = ModelShape("demo", layers, hidden // 64, 64, "float32")
+        model = build_tiny_llama(
+            workdir / "model", layers=layers, hidden=hidden, heads=shape.kv_heads,
+            kv_heads=shape.kv_heads,
+        )  # fmt: skip
+    else:
+        model = build_tiny_llama(
+            workdir / "model", layers=shape.layers, hidden=TINY_HIDDEN, heads=shape.kv_heads,
+            kv_heads=shape.kv_heads, head_dim=shape.head_dim, max_positions=longest + 64,
+        )  # fmt: skip
+    progress("model", 1, 1)
+    per_token = shape.kv_bytes_per_token
+    # Room for every distinct token of the workload (and the warm-up prompt) twice over.
+    distinct = distinct_chunks([ids for _, ids in requests]) * 32 + longest
+    pool = LocalPool.start(workdir / "pool", segment_size=max(1 << 30, 2 * distinct * per_token))
+    kv_gib = -(-(2 * (longest + 64) * per_token) // (1 << 30))
     try:
         pool_file = pool.write_pool_file(workdir / "pool.json")
         spec = {
@@ -153,6 +171,9 @@ def run_demo(
             "extra": {"pool_file": str(pool_file)},
             "progress": True,
             "warmup": True,
+            "dtype": shape.dtype,
+            "max_model_len": max(4096, longest + 64),
+            "env": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_gib))},
         }
         cold = run_engine(spec, workdir / "cold.json", "cold engine", progress)
         warm = run_engine(spec, workdir / "warm.json", "warm engine", progress)
@@ -179,4 +200,5 @@ def run_demo(
         int(metrics.get("master_allocated_bytes", 0)),
         str(model),
         {"cold_startup_s": cold["startup_s"], "warm_startup_s": warm["startup_s"]},
+        shape.describe(),
     )

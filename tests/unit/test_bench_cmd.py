@@ -103,6 +103,11 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     result = EngineBench(SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,), (hit, miss), (0.1,))
     assert result.load_vs_copy(hit, 0) == pytest.approx(5.0)  # 0.5 s of load, 0.1 s a copy
     assert result.load_vs_copy(miss, 0) is None
+    # kvpool's own account of its load wins over the TTFT estimate
+    measured = ConnectorRun("kvpool", (LengthRow(4000, 8.0, 1.0, 3968, True, 1 << 30, 0.25),), 0, 0)
+    assert result.load_gbps(measured, 0) == pytest.approx((1 << 30) / 0.25 / 1e9)
+    full = 3968 * 131072  # one copy of every hittable byte takes 0.1 s
+    assert result.load_vs_copy(measured, 0) == pytest.approx(0.25 / (0.1 * (1 << 30) / full))
     assert result.verdict(hit, 0) == "8.0x"
     assert result.verdict(miss, 0) == "no hits" and result.load_gbps(miss, 0) is None
     # 3968 tokens of 128 KiB in the 0.5 s beyond a local hit: 1.04 GB/s

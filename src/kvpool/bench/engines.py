@@ -14,11 +14,13 @@ process's first-request costs (vLLM compiles its logprobs kernel on the first
 request that asks for logprobs: 2-4 s here; and the first touch of memory).
 
 Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
-TTFT over the prefill's, the load rate (hit bytes over the warm TTFT minus the
-local-hit TTFT), and that load time over one plain memory copy of the same
-bytes (``copy_seconds``, measured in the same run). A warm run with no hits is
-a "no hits" verdict, never a speedup. Outputs are compared with the local-hit
-run, whose computation (only the uncached tail) the warm run repeats.
+TTFT over the prefill's, the load rate (kvpool's own load time per request;
+for other connectors hit bytes over the warm TTFT minus the local-hit TTFT), and
+that load time over one plain memory copy of the same bytes (``copy_seconds``,
+measured in the same run). A warm run with no hits is a "no hits" verdict,
+never a speedup. Outputs are compared with the baseline run that computed the
+same tokens: the local hit (only the uncached tail), or the full prefill for a
+warm run that hit nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +60,11 @@ class LengthRow:
     cold_ttft_s: float
     warm_ttft_s: float
     hit_tokens: int  # prompt tokens the warm engine found cached (all from the pool)
-    identical: bool  # warm output == the baseline's local-hit output
+    identical: bool  # warm output == the baseline's run that computed the same tokens
+    # kvpool's own account of the warm request's load (0 for other connectors):
+    # payload bytes and the load job's time from submit to finish
+    load_bytes: int = 0
+    load_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -109,22 +115,29 @@ class EngineBench:
     runs: tuple[ConnectorRun, ...]
     copy_s: tuple[float, ...] = ()  # per length: one memory copy of a full hit's bytes
 
-    def load_gbps(self, run: ConnectorRun, i: int) -> float | None:
-        """Hit bytes over the time the warm request spent beyond a local hit."""
+    def _load(self, run: ConnectorRun, i: int) -> tuple[float, float] | None:
+        """(bytes, seconds) of the warm request's load: the connector's own account
+        where it gives one (kvpool), else the hit bytes over the time the warm
+        request spent beyond a local hit (an estimate inside TTFT noise)."""
         row = run.rows[i]
-        extra = row.warm_ttft_s - self.local_hit_s[i]
-        if row.hit_tokens == 0 or extra <= 0:
+        if row.hit_tokens == 0:
             return None
-        return row.hit_tokens * self.shape.kv_bytes_per_token / extra / 1e9
+        if row.load_s > 0:
+            return row.load_bytes, row.load_s
+        extra = row.warm_ttft_s - self.local_hit_s[i]
+        return (row.hit_tokens * self.shape.kv_bytes_per_token, extra) if extra > 0 else None
+
+    def load_gbps(self, run: ConnectorRun, i: int) -> float | None:
+        load = self._load(run, i)
+        return None if load is None else load[0] / load[1] / 1e9
 
     def load_vs_copy(self, run: ConnectorRun, i: int) -> float | None:
-        """The load's time (warm minus local hit) over one plain memory copy of its bytes."""
-        row = run.rows[i]
-        extra = row.warm_ttft_s - self.local_hit_s[i]
-        if row.hit_tokens == 0 or extra <= 0 or not self.copy_s:
+        """The load's time over one plain memory copy of its bytes (same run)."""
+        load = self._load(run, i)
+        if load is None or not self.copy_s:
             return None
-        copy = self.copy_s[i] * row.hit_tokens / _hittable(row.tokens)
-        return extra / copy
+        full = _hittable(run.rows[i].tokens) * self.shape.kv_bytes_per_token
+        return load[1] / (self.copy_s[i] * load[0] / full)
 
     def verdict(self, run: ConnectorRun, i: int) -> str:
         row = run.rows[i]
@@ -168,6 +181,30 @@ def _run_cold(
             step=0.2,
         )
         return session.finish(timeout=300)
+
+
+def _run_warm(
+    spec: dict[str, Any], workdir: Path, name: str, progress: Progress
+) -> list[tuple[dict[str, Any], int, float]]:
+    """The warm engine, one prompt per phase: per prompt its result and the bytes
+    and seconds kvpool's loads took for it (0 for other connectors)."""
+    prompts = spec["prompts"]
+    phase = f"{name} warm"
+    progress(phase, 0, len(prompts))
+    warm_spec = {**spec, "phases": [[p] for p in prompts]}
+    del warm_spec["prompts"]
+    result = EngineSession.run(
+        warm_spec, workdir, f"{name}-warm", on_progress=lambda n: progress(phase, n, len(prompts))
+    )
+    out = []
+    before: dict[str, Any] = {}
+    for done in result["phases"]:
+        now = done["connector"]
+        nbytes = int(now.get("bytes_loaded", 0) - before.get("bytes_loaded", 0))
+        seconds = float(now.get("load_s", 0.0) - before.get("load_s", 0.0))
+        out.append((done["results"][0], nbytes, seconds))
+        before = now
+    return out
 
 
 def _mooncake_env(workdir: Path, master_address: str) -> dict[str, str]:
@@ -254,7 +291,7 @@ def run_engine_bench(
             try:
                 cold = _run_cold(spec, workdir, name, progress, cfg.metrics_url, before)
                 after = master_metrics(cfg.metrics_url)
-                warm = run_engine(spec, workdir / f"{name}-warm.json", f"{name} warm", progress)
+                loads = _run_warm(spec, workdir, name, progress)
             finally:
                 for k, v in old.items():
                     if v is None:
@@ -267,10 +304,13 @@ def run_engine_bench(
                     c["ttft_s"],
                     w["ttft_s"],
                     w["cached_tokens"],
-                    outputs_match(w, h),
+                    # a warm run that hit nothing computed what the prefill did
+                    outputs_match(w, h if w["cached_tokens"] else f),
+                    nbytes,
+                    seconds,
                 )
-                for n, c, w, h in zip(
-                    lengths, cold["results"], warm["results"], local_hit, strict=True
+                for n, c, (w, nbytes, seconds), h, f in zip(
+                    lengths, cold["results"], loads, local_hit, full, strict=True
                 )
             )
             runs.append(

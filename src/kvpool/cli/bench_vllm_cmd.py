@@ -78,9 +78,10 @@ def engine_bench_legend(result: EngineBench) -> str:
         f"{result.shape.describe()}, one prompt at a time (len: its tokens). TTFT in ms. "
         "prefill, local: an engine without a connector, the prompt cold, then from its own prefix "
         "cache; cold, warm: the connector's engines; hits: of the whole chunks; GB/s: "
-        "hit bytes over (warm - local), the load rate; xcopy: that time over one "
-        "memory copy of the same bytes; speedup: prefill / warm; same: "
-        "warm output = local's."
+        "the load rate (kvpool: bytes over its load's own time; others: hit bytes over "
+        "warm - local); xcopy: the load's time over one memory copy of the same bytes; "
+        "speedup: prefill / warm; same: warm output = the baseline run that computed the "
+        "same tokens."
     )
 
 

@@ -209,6 +209,7 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
             out.update(
                 bytes_saved=stats.bytes_put,
                 bytes_loaded=stats.bytes_loaded,
+                load_s=stats.load_s,
                 chunks_saved=stats.chunks_put,
                 chunks_loaded=stats.chunks_loaded,
                 failures=dict(stats.failures),

@@ -10,7 +10,8 @@
     session.kill()                  SIGKILL (an engine that crashes or is restarted)
     session.log()                   its stderr so far
     EngineSession.run(spec, ...)    start, run every phase (or the prompts) straight
-                                    through, finish: the result, with ``"log"``
+                                    through, finish: the result, with ``"log"`` (and
+                                    ``"phases"``: what each phase printed)
 
 Lines from the engine are read on a thread into a queue; every wait is on that
 queue with a deadline, and an engine that dies raises ``EngineFailed`` with the
@@ -91,10 +92,11 @@ class EngineSession:
         """Run ``spec`` without interruption; its result, with the engine's stderr
         as ``"log"``. Waits as long as the engine lives."""
         with cls.start(spec, workdir, name, env, on_progress) as session:
-            for _ in spec.get("phases", ()):
-                session.next_phase(timeout=None)
+            phases = [session.next_phase(timeout=None) for _ in spec.get("phases", ())]
             result = session.finish(timeout=None)
             result["log"] = session.log()
+            if phases:  # each phase's results and the connector's counters after it
+                result["phases"] = phases
             return result
 
     def _read(self, stream: IO[str]) -> None:

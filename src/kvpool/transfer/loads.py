@@ -245,7 +245,9 @@ class Loads:
                     invalid.update(c.block_ids)
             ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
         nbytes = sum(core.sizes(ok_chunks))
+        seconds = time.monotonic() - job.submitted
         with core.counting():
+            core.stats.load_s += seconds
             core.stats.chunks_loaded += len(ok_chunks)
             core.stats.bytes_loaded += nbytes
             if not ok_all:
@@ -258,6 +260,6 @@ class Loads:
                 frozenset(invalid),
                 0,
                 nbytes,
-                time.monotonic() - job.submitted,
+                seconds,
             )
         )

@@ -85,6 +85,7 @@ class TransferStats:
     loads_timed_out: int = 0  # load jobs abandoned at their deadline
     chunks_refused: Counter[str] = field(default_factory=Counter)  # reason -> chunks
     save_wait_s: float = 0.0  # time callers waited for save staging (pool slower than KV)
+    load_s: float = 0.0  # wall time of finished load jobs, submit to finish, summed
 
     def __add__(self, other: TransferStats) -> TransferStats:
         """Counters of two engines (e.g. before and after a reconnect) together."""

@@ -277,3 +277,18 @@ def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_ret
     assert stats is not None and stats.chunks_refused == {"staging_busy": 3}
     assert stats.chunks_put + stats.chunks_skipped_exist == 2  # chunk 0 was there already
     worker.close()
+
+
+def test_staging_smaller_than_one_chunk_stops_the_engine_at_start_with_the_size_to_set() -> None:
+    import pytest
+
+    from kvpool.errors import ConfigError
+
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    settings = ConnectorSettings(staging_bytes=32 << 10, load_mode="staged")  # 16 KiB a side
+    worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    with pytest.raises(ConfigError, match=r"raise staging_bytes to at least \d+ bytes"):
+        worker.register(kv_caches())  # one chunk object is 32 KiB

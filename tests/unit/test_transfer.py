@@ -615,7 +615,7 @@ def test_jobs_many_times_the_staging_area_move_piece_by_piece_bit_exact(load_mod
     (res,) = r.wait(["l"], timeout=30)
     assert res.ok and len(res.statuses) == 48
     assert r._load_arena.used == 0
-    assert 0 < r.stats().load_s and r.stats().bytes_loaded == 48 * (32 << 10)
+    assert r.stats().load_s > 0 and r.stats().bytes_loaded == 48 * (32 << 10)
     r.close()
     for c, t in zip(chunks, targets, strict=True):
         for a, b in zip(

@@ -207,6 +207,7 @@ class WorkerSide:
         engine, store = self.engine, self.store
         self.engine = self.store = None
         self._saves.clear()  # the retired engine reports no more saves
+        self._save_reqs.clear()
         engine.abandon_loads()
         stale = engine.poll()
         self._retired = self._retired + engine.stats()

@@ -72,3 +72,10 @@ def test_a_piece_budget_lets_two_pieces_fit_and_an_object_must_fit() -> None:
     pieces.check_fits(4 << 20, 4 << 20, "saves")
     with pytest.raises(ConfigError, match="raise staging_bytes to at least"):
         pieces.check_fits((4 << 20) + 1, 4 << 20, "saves")
+
+
+@given(st.integers(0, 1 << 30))
+def test_both_halves_of_any_staging_start_aligned(nbytes: int) -> None:
+    save, load = pieces.split_staging(nbytes, staged_loads=True)
+    assert save % pieces.ALIGN == 0 and load % pieces.ALIGN == 0  # the load half starts at save
+    assert save + load <= nbytes and nbytes - (save + load) < 2 * pieces.ALIGN

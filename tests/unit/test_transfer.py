@@ -682,7 +682,8 @@ def test_a_save_that_sees_no_staging_freed_is_refused_as_retryable_and_never_sto
     store.release.set()
     ra, rb = sorted(e.wait(["a", "b"], timeout=30), key=lambda r: str(r.job_id))
     assert ra.refused == "staging_busy" and ra.retry and ra.refused_from == 6
-    assert sorted(ra.statuses) == [f"a{i}" for i in range(6)] and ra.ok and ra.skipped == 4
+    assert sorted(ra.statuses) == [f"a{i}" for i in range(6)] and ra.skipped == 4
+    assert all(s is Status.OK for s in ra.statuses.values()) and not ra.ok  # not all saved
     assert rb.refused == "staging_busy" and rb.refused_from == 0 and rb.statuses == {}
     stats = e.stats()
     assert stats.chunks_refused == {"staging_busy": 7} and stats.saves_refused["staging_busy"] == 2
@@ -704,3 +705,70 @@ def test_staging_smaller_than_one_chunk_object_is_a_config_error(store: KVStore)
         TransferEngine(store, [src], NB, staging_bytes=48 << 10, load_mode="staged")
     with pytest.raises(ConfigError, match="raise staging_bytes"):
         TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING, blocks_per_object=9)
+
+
+def test_a_put_that_raises_fails_its_piece_and_still_frees_every_piece() -> None:
+    class Raising(MemoryStore):
+        calls = 0
+
+        def batch_put(self, keys, segments):  # type: ignore[no-untyped-def]
+            Raising.calls += 1
+            if Raising.calls == 2:
+                raise RuntimeError("injected")
+            return super().batch_put(keys, segments)
+
+    store = Raising(capacity=1 << 28)
+    src = cpu_layers(2)
+    # no back-off after the failed piece, so the save after it is not refused for it
+    e = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING, backoff_s=(0.0, 0.0))
+    chunks = [ChunkRef(f"r{i}", 0, i, (i,)) for i in range(20)]
+    assert e.submit_save("s", chunks)
+    (res,) = e.wait(["s"], timeout=30)
+    failed = [k for k, s in res.statuses.items() if s is Status.UNAVAILABLE]
+    assert failed and len(failed) < 20 and not res.ok  # the second piece only
+    assert all(s is Status.OK for k, s in res.statuses.items() if k not in failed)
+    assert e._save_arena.used == 0
+    assert e.submit_save("again", chunks) and e.wait(["again"], timeout=30)[0].ok
+    e.close()
+
+
+def test_a_staging_step_that_raises_refuses_the_rest_and_never_hangs_the_put_thread(
+    store: KVStore,
+) -> None:
+    src = cpu_layers(2)
+    e = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING)
+    real = e._saves._stage
+    calls = []
+
+    def failing(job, lo, hi):  # type: ignore[no-untyped-def]
+        calls.append(lo)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(job, lo, hi)
+
+    e._saves._stage = failing  # type: ignore[method-assign]
+    chunks = [ChunkRef(f"h{i}", 0, i, (i,)) for i in range(20)]
+    assert e.submit_save("s", chunks) is False
+    (res,) = e.wait(["s"], timeout=30)
+    assert res.refused == "staging_error" and res.refused_from == calls[1]
+    assert sorted(res.statuses) == sorted(c.key for c in chunks[: calls[1]])
+    assert e._save_arena.used == 0
+    e.close()  # returns: the put thread is not stuck waiting for a piece
+
+
+def test_zero_copy_saves_are_refused_past_a_bounded_backlog() -> None:
+    from kvpool.transfer.saves import ZERO_COPY_BACKLOG
+
+    store = _StuckPuts()
+    src = cpu_layers(1)
+    e = TransferEngine(store, [src], NB, zero_copy=True)
+    accepted = 0
+    while e.submit_save(accepted, [ChunkRef(f"z{accepted}", 0, 0, (accepted % NB,))]):
+        accepted += 1
+        assert accepted <= ZERO_COPY_BACKLOG + 1  # one job in the stuck put, the rest queued
+    assert accepted >= ZERO_COPY_BACKLOG
+    store.release.set()
+    (refused,) = e.wait([accepted], timeout=30)
+    assert refused.refused == "queue_full" and refused.retry
+    assert e.stats().chunks_refused == {"queue_full": 1}
+    e.close()

@@ -292,3 +292,31 @@ def test_staging_smaller_than_one_chunk_stops_the_engine_at_start_with_the_size_
     worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
     with pytest.raises(ConfigError, match=r"raise staging_bytes to at least \d+ bytes"):
         worker.register(kv_caches())  # one chunk object is 32 KiB
+
+
+def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks() -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from kvpool.transfer import JobResult
+
+    refused = JobResult(("save", 0), "save", {}, refused="staging_busy", refused_from=3)
+    store = MemoryStore(capacity=1 << 28)
+    full = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    window = SlidingWindowSpec.__new__(SlidingWindowSpec)  # only its kind is read
+    sliding = SimpleNamespace(
+        num_blocks=NB,
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=window)],
+    )
+    for config, events, retry in (
+        (full, False, True),
+        (full, True, False),
+        (sliding, False, False),
+    ):
+        worker = WorkerSide(
+            identity(), 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
+        )
+        worker.register(kv_caches())
+        assert worker._may_retry(refused) is retry, (events, config is sliding)
+        worker.close()

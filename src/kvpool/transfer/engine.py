@@ -23,10 +23,11 @@ Any job size moves through bounded staging (``pieces``): staging is split betwee
 saves and staged loads, each piece reserves only its own bytes and releases them
 when its put (or its copy into the KV tensors) is done. A save bigger than its
 staging waits, inside ``submit_save``, for earlier pieces' puts to free space: the
-staging size sets speed, not whether a chunk is saved. A wait that sees no piece
-freed for ``save_wait_s`` (the pool stopped taking puts) refuses the rest of the
-job ("staging_busy", retryable) and later saves refuse at once, without waiting,
-until a put frees space again. Objects must fit the staging (checked at start).
+staging size sets speed, not whether a chunk is saved. A wait for a piece's space
+that does not end within ``save_wait_s`` (the pool stopped taking puts) refuses
+the rest of the job ("staging_busy", retryable) and later saves refuse at once,
+without waiting, until a put frees space again. Zero-copy saves refuse past 64
+queued jobs ("queue_full"). Objects must fit the staging (checked at start).
 
 Zero copy (``zero_copy=True``): the store moves bytes straight between the KV
 tensors and the pool; the KV tensors must lie in memory it reaches
@@ -39,10 +40,12 @@ Guarantees:
   blocks may be reused; the pool gets the bytes they held at submit time (or
   nothing). Zero copy: until the job finished instead.
 * A refused chunk is never put and never reported stored: ``JobResult.refused``
-  names the cause and ``refused_from`` the first refused chunk (all later chunks
-  of the job were refused too); ``retry`` says whether submitting it again may
-  succeed. Refusals are counted by cause and logged (one line per cause and
-  minute, with what to change); they never read as a store failure.
+  names the cause and ``refused_from`` the lowest chunk index refused (a job
+  moves in (group, chunk) order and is refused from some point of it on, so
+  chunks of earlier groups above that index may have been put); ``retry`` says
+  whether submitting it again may succeed. Refusals are counted by cause and
+  logged (one line per cause and minute, with what to change); they never read
+  as a store failure.
 * A load job reports, in ``JobResult.invalid_block_ids``, the blocks of every chunk
   that failed (missing, evicted, corrupt, transfer failure, refused) and of every
   later chunk of the job, so the engine recomputes exactly those.
@@ -167,6 +170,7 @@ class TransferEngine:
             backoff_s,
             zero_copy,
             self._save_q.put,
+            self._save_q.qsize,
         )
         self._loads = Loads(
             self._core,

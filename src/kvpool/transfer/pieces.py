@@ -1,8 +1,10 @@
 """Pure planning of how a job's chunk objects move through bounded staging.
 
-    cut(sizes, budget)            chunk ranges ``(lo, hi)`` of about ``budget`` bytes
-                                  each (at least one chunk each): the unit a save
-                                  stages and puts, and a staged load gets and copies
+    cut(sizes, budget)            chunk ranges ``(lo, hi)`` of at most ``budget`` bytes
+                                  (a range closes before the chunk that would overflow
+                                  it; a chunk bigger than ``budget`` is a range of its
+                                  own): the unit a save stages and puts, and a staged
+                                  load gets and copies
     place(groups, sizes)          offsets of a piece's objects inside its staging
                                   reservation, and the reservation's size
     split_staging(nbytes, loads)  bytes of staging for saves and for staged loads
@@ -66,7 +68,7 @@ def split_staging(nbytes: int, staged_loads: bool) -> tuple[int, int]:
     if not staged_loads:
         return nbytes, 0
     half = nbytes // 2 // ALIGN * ALIGN
-    return nbytes - half, half
+    return (nbytes - half) // ALIGN * ALIGN, half  # the load half starts aligned
 
 
 def piece_budget(piece_bytes: int, arena_bytes: int, groups: int = 1) -> int:

@@ -52,14 +52,16 @@ class JobResult:
     seconds: float = 0.0  # wall time from submit to finish
     known: tuple[str, ...] = ()  # saves: keys skipped as stored recently (no store call)
     # Saves: why chunks were refused before the store was asked ("" when none
-    # were), and the lowest chunk index refused (every later chunk of the job
-    # was refused too).
+    # were), and the lowest chunk index refused (the job was refused from some
+    # point of its (group, chunk) order on).
     refused: str = ""
     refused_from: int | None = None
 
     @property
     def ok(self) -> bool:
-        return all(s.stored for s in self.statuses.values()) and not self.invalid_block_ids
+        """Every chunk handled: stored (saves, none refused) or loaded (loads)."""
+        stored = all(s.stored for s in self.statuses.values())
+        return stored and not self.invalid_block_ids and not self.refused
 
     @property
     def retry(self) -> bool:

@@ -1,6 +1,6 @@
 """The save path: stage a job's chunks piece by piece, put each piece, free it.
 
-    Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue)
+    Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue, backlog)
     submit(job_id, chunks)   the caller's thread: skip keys stored recently, then
                              stage piece by piece (waiting while puts free staging)
                              and queue the job; False when some of it was refused
@@ -9,10 +9,12 @@
     in_backpressure          saves are refused until a put failure's back-off ends
 
 Rules (the contract is ``kvpool.transfer.engine``'s): a staged save reads KV
-blocks only inside ``submit``; a wait that sees no put free staging for
-``wait_s`` refuses the rest of the job ("staging_busy") and later saves refuse
-at once until a put frees space; NO_SPACE, TRANSFER_FAILED or UNAVAILABLE on a
-put starts a growing back-off ("backpressure"). Refusals are counted per cause
+blocks only inside ``submit``; a wait for a piece's space that does not end
+within ``wait_s`` refuses the rest of the job ("staging_busy") and later saves
+refuse at once until a put frees space; zero-copy saves (no staging bounds
+them) refuse past ``ZERO_COPY_BACKLOG`` queued jobs ("queue_full"); NO_SPACE,
+TRANSFER_FAILED or UNAVAILABLE on a put starts a growing back-off
+("backpressure"). Refusals are counted per cause
 and logged at most once a minute per cause, saying what to change.
 """
 
@@ -34,12 +36,15 @@ __all__ = ["NOTE_INTERVAL_S", "Saves"]
 logger = logging.getLogger("kvpool.transfer.engine")
 
 NOTE_INTERVAL_S = 60.0  # one log line per refusal cause at most this often
+ZERO_COPY_BACKLOG = 64  # zero-copy save jobs queued at most (a flush waits behind them)
 
 _ADVICE = {
     "staging_busy": "the pool freed no save staging for {wait:.1f} s; raise staging_bytes "
     "if the pool is healthy but slower than the engine",
     "backpressure": "puts failed recently and saves back off (see the warning before)",
     "staging_error": "copying KV blocks into staging failed (see the error before)",
+    "queue_full": f"{ZERO_COPY_BACKLOG} zero-copy saves are queued: the pool is slower "
+    "than the engine",
 }
 
 
@@ -55,9 +60,11 @@ class Saves:
         backoff_s: tuple[float, float],
         zero_copy: bool,
         enqueue: Callable[[Job], None],
+        backlog: Callable[[], int] = lambda: 0,
     ) -> None:
         self.core = core
         self.enqueue = enqueue  # hands a job to the save thread
+        self.backlog = backlog  # save jobs queued now
         self.arena = arena
         self.budget = budget
         self.wait_s = wait_s
@@ -99,12 +106,20 @@ class Saves:
             return False
         job.pieces = pieces.cut(core.sizes(job.chunks), self.budget)
         if self.zero_copy:  # put straight from the KV tensors
+            if self.backlog() >= ZERO_COPY_BACKLOG:  # nothing else bounds it: no staging
+                self._refuse(job, 0, "queue_full")
+                self.finish(job, {})
+                return False
             job.staged = [Piece(job, lo, hi, last=False) for lo, hi in job.pieces]
             self.enqueue(job)
             return True
         self.enqueue(job)  # queued first: its first put starts once a piece is in
         for lo, hi in job.pieces:
-            piece = self._stage(job, lo, hi)
+            try:
+                piece = self._stage(job, lo, hi)
+            except Exception:  # a bug: the put thread must still learn where staging ended
+                logger.exception("kvpool: staging a save failed; the rest is refused")
+                piece = "staging_error"
             with self._staged:
                 if isinstance(piece, str):  # refused from here on; the put thread finishes
                     self._refuse(job, lo, piece)
@@ -183,6 +198,11 @@ class Saves:
             segs = core.kv_segments(chunks) if self.zero_copy else core.staged(piece.offsets, sizes)
             try:
                 got = core.store.batch_put(keys, segs)
+                if len(got) != len(keys):
+                    raise RuntimeError(f"{len(got)} statuses for {len(keys)} keys")
+            except Exception:  # a bug: this piece fails, the later ones are still freed
+                logger.exception("save %r: put failed", job.job_id)
+                got = [Status.UNAVAILABLE] * len(keys)
             finally:
                 if piece.staging is not None:
                     self.arena.free(piece.staging)

@@ -96,6 +96,7 @@ class WorkerSide:
         self._stored: dict[bytes, int] = {}  # chunk hash -> objects stored
         self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
         self._refused: dict[str, int] = {}  # request -> first chunk refused, to retry
+        self._frees_early = False  # some KV group frees blocks of running requests
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
         self._last_version = -1  # of the engine that _last_stats came from
@@ -127,6 +128,7 @@ class WorkerSide:
             logger.warning("kvpool: no KV tensors on this worker; the connector stays idle")
             return
         self._groups = groups
+        self._frees_early = bool(self._blocks_freed_early())
         try:
             self.store, self.engine = self._open()
         except ConfigError:
@@ -339,7 +341,7 @@ class WorkerSide:
         for result in results:
             if result.kind != "load":
                 req = self._save_reqs.pop(result.job_id, None)
-                if req is not None and result.refused_from is not None and result.retry:
+                if req is not None and result.refused_from is not None and self._may_retry(result):
                     # Local pressure (staging): the scheduler submits these again.
                     k = self._refused.get(req, result.refused_from)
                     self._refused[req] = min(k, result.refused_from)
@@ -371,6 +373,14 @@ class WorkerSide:
                     ", ".join(causes),
                 )
         return done, failed
+
+    def _may_retry(self, result: JobResult) -> bool:
+        """Whether the scheduler may submit a refused save again: the refusal was
+        local pressure, every group keeps a running request's blocks (sliding
+        windows and Mamba states move on, so a later step would read other bytes
+        under the chunk's key), and KV events are off (a retry would report the
+        objects its first job stored a second time, completing a chunk early)."""
+        return result.retry and not self._events and not self._frees_early
 
     def _note_stored(self, result: JobResult) -> None:
         hashes = self._saves.pop(result.job_id, None)

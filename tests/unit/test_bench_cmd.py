@@ -144,6 +144,8 @@ def test_shapes_have_real_models_kv_sizes_and_custom_ones_parse() -> None:
         "float32",
     )
     assert custom.kv_bytes_per_token == 128 << 10
+    assert custom.kv_cache_gib(8192) == 1 and custom.kv_cache_gib(8193) == 2  # 1 GiB: 8192
+    assert custom.kv_cache_gib(1) == 1
     assert parse_shape("4x2x64").dtype == "bfloat16"
     with pytest.raises(ValueError, match="unknown shape"):
         parse_shape("llama9")

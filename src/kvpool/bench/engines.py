@@ -41,7 +41,7 @@ from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.engine import warmup_prompt
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
-from kvpool.demo.tiny_model import build_tiny_llama
+from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 
 __all__ = ["ConnectorRun", "EngineBench", "LengthRow", "copy_seconds", "run_engine_bench"]
@@ -243,25 +243,19 @@ def run_engine_bench(
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
     longest = max(lengths)
-    model = build_tiny_llama(
-        workdir / "model",
-        layers=shape.layers,
-        hidden=TINY_HIDDEN,
-        heads=shape.kv_heads,
-        kv_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_positions=longest + 2 * MAX_TOKENS + BLOCK,
-    )
+    max_len = longest + 2 * MAX_TOKENS + BLOCK
+    model = build_shaped_llama(workdir / "model", shape, TINY_HIDDEN, max_len)
     ids = _prompts(lengths)
     kv_bytes = sum(lengths) * shape.kv_bytes_per_token
-    # The engine's KV cache holds the longest prompt and the warm-up one beside it.
-    kv_gib = -(-(2 * (longest + BLOCK) * shape.kv_bytes_per_token) // (1 << 30)) + 1
+    # The engine's KV cache holds the longest prompt and the warm-up one beside it,
+    # with a GiB to spare.
+    kv_gib = shape.kv_cache_gib(2 * (longest + BLOCK)) + 1
     base_spec: dict[str, Any] = {
         "model": str(model),
         "max_tokens": MAX_TOKENS,
         "block_size": BLOCK,
         "dtype": shape.dtype,
-        "max_model_len": longest + 2 * MAX_TOKENS + BLOCK,
+        "max_model_len": max_len,
         "warmup": True,
         "progress": True,
         "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},

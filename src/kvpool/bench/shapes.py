@@ -2,6 +2,7 @@
 
     SHAPES[name]            a ModelShape: layers, KV heads, head size, dtype
     ModelShape.kv_bytes_per_token   bytes of K and V per token over all layers
+    ModelShape.kv_cache_gib(tokens) whole GiB of KV cache that hold that many tokens
     parse_shape(text)       a name from SHAPES, or ``LxHxD:dtype`` (e.g. 16x8x128:float32)
 
 Only the KV cache is real: benchmarks build a random Llama with this many
@@ -44,6 +45,11 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * _ITEMSIZE[self.dtype]
+
+    def kv_cache_gib(self, tokens: int) -> int:
+        """Whole GiB of KV cache that hold ``tokens`` tokens of this shape (vLLM's
+        ``VLLM_CPU_KVCACHE_SPACE``)."""
+        return max(1, -(-tokens * self.kv_bytes_per_token // (1 << 30)))
 
     def describe(self) -> str:
         kib = self.kv_bytes_per_token / 1024

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpool.bench.shapes import TINY_HIDDEN, ModelShape
 from kvpool.demo.session import EngineFailed, EngineSession
-from kvpool.demo.tiny_model import build_tiny_llama
+from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.pool import LocalPool, master_metrics
 
 __all__ = [
@@ -143,23 +143,16 @@ def run_demo(
     progress("model", 0, 1)
     requests = workload(conversations, turns, system_tokens, document_tokens, user_tokens)
     longest = max(len(ids) for _, ids in requests)
+    max_len = max(4096, longest + 64)
+    model_hidden = TINY_HIDDEN
     if shape is None:
-        shape = ModelShape("demo", layers, hidden // 64, 64, "float32")
-        model = build_tiny_llama(
-            workdir / "model", layers=layers, hidden=hidden, heads=shape.kv_heads,
-            kv_heads=shape.kv_heads,
-        )  # fmt: skip
-    else:
-        model = build_tiny_llama(
-            workdir / "model", layers=shape.layers, hidden=TINY_HIDDEN, heads=shape.kv_heads,
-            kv_heads=shape.kv_heads, head_dim=shape.head_dim, max_positions=longest + 64,
-        )  # fmt: skip
+        shape, model_hidden = ModelShape("demo", layers, hidden // 64, 64, "float32"), hidden
+    model = build_shaped_llama(workdir / "model", shape, model_hidden, max_len)
     progress("model", 1, 1)
-    per_token = shape.kv_bytes_per_token
     # Room for every distinct token of the workload (and the warm-up prompt) twice over.
     distinct = distinct_chunks([ids for _, ids in requests]) * 32 + longest
-    pool = LocalPool.start(workdir / "pool", segment_size=max(1 << 30, 2 * distinct * per_token))
-    kv_gib = -(-(2 * (longest + 64) * per_token) // (1 << 30))
+    segment = max(1 << 30, 2 * distinct * shape.kv_bytes_per_token)
+    pool = LocalPool.start(workdir / "pool", segment_size=segment)
     try:
         pool_file = pool.write_pool_file(workdir / "pool.json")
         spec = {
@@ -172,8 +165,9 @@ def run_demo(
             "progress": True,
             "warmup": True,
             "dtype": shape.dtype,
-            "max_model_len": max(4096, longest + 64),
-            "env": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, kv_gib))},
+            "max_model_len": max_len,
+            # the longest prompt and the warm-up prompt beside it
+            "env": {"VLLM_CPU_KVCACHE_SPACE": str(shape.kv_cache_gib(2 * (longest + 64)))},
         }
         cold = run_engine(spec, workdir / "cold.json", "cold engine", progress)
         warm = run_engine(spec, workdir / "warm.json", "warm engine", progress)

@@ -2,6 +2,9 @@
 
     build_tiny_llama(folder, layers=2, hidden=128, heads=4, kv_heads=2, seed=0,
                      head_dim=None)
+    build_shaped_llama(folder, shape, hidden, max_positions)  the same, with the
+                     layers, KV heads (as many query heads) and head size of a
+                     ``kvpool.bench.shapes.ModelShape``
 
 vLLM's CPU attention needs head size >= 32 (``head_dim``, by default hidden /
 heads); an explicit ``head_dim`` gives a real model's KV shape with a tiny
@@ -15,8 +18,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["build_tiny_llama"]
+if TYPE_CHECKING:
+    from kvpool.bench.shapes import ModelShape
+
+__all__ = ["build_shaped_llama", "build_tiny_llama"]
 
 _CORPUS = [
     f"the quick brown fox jumps over the lazy dog number {i} and the cat sat on mat {7 * i} " * 3
@@ -98,3 +105,19 @@ def build_tiny_llama(
     LlamaForCausalLM(cfg).save_pretrained(folder)
     stamp.write_text(json.dumps(spec))
     return folder
+
+
+def build_shaped_llama(
+    folder: str | Path, shape: ModelShape, hidden: int, max_positions: int
+) -> Path:
+    """``build_tiny_llama`` with ``shape``'s KV: its layers, KV heads (as many query
+    heads) and head size, whatever the hidden size."""
+    return build_tiny_llama(
+        folder,
+        layers=shape.layers,
+        hidden=hidden,
+        heads=shape.kv_heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_positions=max_positions,
+    )

@@ -497,24 +497,40 @@ def test_saves_and_staged_loads_move_in_pieces_bit_exact(store: KVStore) -> None
             assert torch.equal(a[blocks], b[blocks])
 
 
-def test_a_failed_chunk_in_a_middle_piece_stops_the_copy_there(store: KVStore) -> None:
+def _load_with_one_chunk_removed(
+    store: KVStore,
+    chunks: list[ChunkRef],
+    missing: str,
+    make: Callable[..., TransferEngine],
+    seed: int,
+) -> tuple[Any, list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]], TransferEngine]:
+    """Save ``chunks`` from random KV, remove ``missing`` from the pool, and load them
+    all staged into KV filled with -1: (result, source layers, loaded layers, reader)."""
     src = cpu_layers(2)
-    randomize(src, 13)
-    chunks = [ChunkRef(f"m{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(8)]
-    piece = 2 * _object_bytes(src, 2)  # pieces of chunks 0-1, 2-3, 4-5, 6-7
-    e = engine(store, src, piece_bytes=piece)
-    e.submit_save("s", chunks)
-    assert e.wait(["s"], timeout=30)[0].ok
-    e.close()
-    assert store.batch_remove(["m3"], force=True) == [Status.OK]
+    randomize(src, seed)
+    w = make(src)
+    assert w.submit_save("s", chunks) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    assert store.batch_remove([missing], force=True) == [Status.OK]
     dst = cpu_layers(2)
     for _, t in dst:
         t.fill_(-1.0)
-    r = engine(store, dst, load_mode="staged", piece_bytes=piece)
+    r = make(dst, load_mode="staged")
     r.submit_load("l", chunks)
     (res,) = r.wait(["l"], timeout=30)
     r.close()
-    assert res.statuses["m3"] is Status.MISSING
+    assert res.statuses[missing] is Status.MISSING
+    return res, src, dst, r
+
+
+def test_a_failed_chunk_in_a_middle_piece_stops_the_copy_there(store: KVStore) -> None:
+    chunks = [ChunkRef(f"m{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(8)]
+    piece = 2 * _object_bytes(cpu_layers(2), 2)  # pieces of chunks 0-1, 2-3, 4-5, 6-7
+
+    def make(layers: list[tuple[str, torch.Tensor]], **kw: Any) -> TransferEngine:
+        return engine(store, layers, piece_bytes=piece, **kw)
+
+    res, src, dst, r = _load_with_one_chunk_removed(store, chunks, "m3", make, 13)
     assert res.invalid_block_ids == frozenset(range(6, 16))
     for (_, a), (_, b) in zip(src, dst, strict=True):
         assert torch.equal(a[:6], b[:6])  # chunks 0-2 arrived, across two pieces
@@ -630,21 +646,12 @@ def test_jobs_many_times_the_staging_area_move_piece_by_piece_bit_exact(load_mod
 def test_a_chunk_missing_deep_in_a_job_larger_than_staging_stops_the_copy_there(
     store: KVStore,
 ) -> None:
-    src = cpu_layers(2)
-    randomize(src, 33)
     chunks = [ChunkRef(f"d{i}", 0, i, (i,)) for i in range(40)]
-    w = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING)
-    assert w.submit_save("s", chunks) and w.wait(["s"], timeout=30)[0].ok
-    w.close()
-    assert store.batch_remove(["d29"], force=True) == [Status.OK]
-    dst = cpu_layers(2)
-    for _, t in dst:
-        t.fill_(-1.0)
-    r = TransferEngine(store, [dst], NB, staging_bytes=SMALL_STAGING, load_mode="staged")
-    r.submit_load("l", chunks)
-    (res,) = r.wait(["l"], timeout=30)
-    r.close()
-    assert res.statuses["d29"] is Status.MISSING
+
+    def make(layers: list[tuple[str, torch.Tensor]], **kw: Any) -> TransferEngine:
+        return TransferEngine(store, [layers], NB, staging_bytes=SMALL_STAGING, **kw)
+
+    res, src, dst, r = _load_with_one_chunk_removed(store, chunks, "d29", make, 33)
     assert res.invalid_block_ids == frozenset(range(29, 40))
     for (_, a), (_, b) in zip(src, dst, strict=True):
         assert torch.equal(a[:29], b[:29])  # 29 chunks arrived, over several pieces

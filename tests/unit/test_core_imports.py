@@ -9,7 +9,7 @@ import sys
 def test_core_modules_import_no_heavy_packages() -> None:
     code = (
         "import sys, kvpool, kvpool.layout, kvpool.keys, kvpool.plan, kvpool.config, "
-        "kvpool.errors\n"
+        "kvpool.errors, kvpool.lookup.search\n"
         "heavy = {'torch', 'zmq', 'mooncake', 'vllm', 'click', 'rich'} & set(sys.modules)\n"
         "print(sorted(heavy))"
     )

@@ -66,6 +66,15 @@ requests: st.SearchStrategy[wire.Request] = st.one_of(
         num_tokens=counts,
         proto=st.integers(1, U63),
     ),
+    st.builds(
+        wire.PackedLookup.pack,
+        seq=seqs,
+        req_id=st.text(max_size=wire.MAX_REQ_ID),
+        hashes=st.integers(1, wire.MAX_HASH_BYTES).flatmap(
+            lambda w: st.lists(st.binary(min_size=w, max_size=w), max_size=12)
+        ),
+        num_tokens=counts,
+    ),
     st.builds(wire.ResetRequest, seq=seqs, force=st.booleans(), proto=st.integers(1, U63)),
 )
 replies: st.SearchStrategy[wire.Reply] = st.one_of(
@@ -88,6 +97,7 @@ msgpack_values = st.recursive(
     max_leaves=20,
 )
 _FIELD_NAMES = ["type", "seq", "proto", "req_id", "chunk_hashes", "num_tokens", "force"]
+_FIELD_NAMES += ["hash_bytes"]
 _FIELD_NAMES += ["hit_tokens", "keys_probed", "ok", "removed", "message", "code"]
 _TAGS = ["lookup", "reset", "lookup_reply", "reset_reply", "error", "lookup.2", ""]
 # Maps shaped like messages: a known or unknown tag, known fields of any type, extras.
@@ -98,7 +108,11 @@ message_maps = st.fixed_dictionaries(
         "seq": st.integers(-2, 3) | st.just(U63) | st.just(U63 + 1) | msgpack_values,
         "proto": st.integers(0, 3) | msgpack_values,
         "req_id": st.text(max_size=wire.MAX_REQ_ID + 2) | msgpack_values,
-        "chunk_hashes": chunk_hashes | st.lists(msgpack_values, max_size=4) | msgpack_values,
+        "chunk_hashes": chunk_hashes
+        | st.binary(max_size=200)
+        | st.lists(msgpack_values, max_size=4)
+        | msgpack_values,
+        "hash_bytes": st.integers(0, wire.MAX_HASH_BYTES + 1) | msgpack_values,
         "num_tokens": counts | msgpack_values,
         "force": st.booleans() | msgpack_values,
         "hit_tokens": counts | msgpack_values,
@@ -123,7 +137,7 @@ def _valid_seq(d: dict[str, Any]) -> int:
 def _assert_request_or_error(frame: bytes) -> wire.Request | ErrorReply:
     """decode_request's contract for any frame, and the answer must survive the wire."""
     msg = wire.decode_request(frame)
-    assert isinstance(msg, wire.LookupRequest | wire.ResetRequest | ErrorReply)
+    assert isinstance(msg, wire.PackedLookup | wire.LookupRequest | wire.ResetRequest | ErrorReply)
     if isinstance(msg, ErrorReply):
         assert msg.code in (ErrorCode.MALFORMED, ErrorCode.UNSUPPORTED, ErrorCode.TOO_LARGE)
         assert -1 <= msg.seq <= U63 and msg.message
@@ -133,6 +147,11 @@ def _assert_request_or_error(frame: bytes) -> wire.Request | ErrorReply:
     if isinstance(msg, wire.LookupRequest):
         assert len(msg.chunk_hashes) <= wire.MAX_CHUNK_HASHES
         assert all(1 <= len(h) <= wire.MAX_HASH_BYTES for h in msg.chunk_hashes)
+        assert len(msg.req_id) <= wire.MAX_REQ_ID and msg.num_tokens >= 0
+    if isinstance(msg, wire.PackedLookup):
+        assert 1 <= msg.hash_bytes <= wire.MAX_HASH_BYTES
+        assert msg.count <= wire.MAX_CHUNK_HASHES
+        assert len(msg.chunk_hashes) == msg.count * msg.hash_bytes
         assert len(msg.req_id) <= wire.MAX_REQ_ID and msg.num_tokens >= 0
     return msg
 
@@ -202,7 +221,7 @@ def test_message_shaped_maps_decode_or_name_the_problem_and_keep_the_seq(
 def test_truncated_and_extended_frames_are_malformed(
     msg: wire.Request | wire.Reply, data: st.DataObject
 ) -> None:
-    if isinstance(msg, wire.LookupRequest | wire.ResetRequest):
+    if isinstance(msg, wire.PackedLookup | wire.LookupRequest | wire.ResetRequest):
         frame = wire.encode_request(msg)
     else:
         frame = wire.encode_reply(msg)

@@ -11,9 +11,9 @@ from kvpool.cli.bench_cmd import _layouts, _tokens, lookup_bench_table
 
 BENCH = LookupBench(
     cases=(
-        LookupCase("tp1", 3072, 191, 0.7, 2.0, 0.6, 1.9, 0.3, 1.0, 1.0, 0),
-        LookupCase("tp8-gqa8", 32768, 16376, 75.5, 107.0, 69.8, 103.7, 62.0, 1.0, 16.0, 2),
-        LookupCase("tp8-mla-dcp2", 1024, 126, 0.5, 3.4, 0.45, 3.3, 0.25, 1.0, None, 0),
+        LookupCase("tp1", 32768, 2047, 61.0, 0.4, 0.7, 0.3, 1.9, 0.1, 2, 2.0, 0),
+        LookupCase("tp8-gqa8", 32768, 16376, 290.0, 5.5, 3.8, 0.8, 9.7, 0.6, 3, 16.0, 2),
+        LookupCase("tp8-mla-dcp2", 1024, 126, 126.0, 0.5, 0.4, 0.45, 3.3, 0.25, 1, None, 0),
     ),
     master_address="127.0.0.1:5555",
     chunk_size=16,
@@ -21,16 +21,19 @@ BENCH = LookupBench(
 )
 
 
-def test_table_shows_latencies_round_trips_and_failures() -> None:
-    console = Console(record=True, width=160, color_system=None)
+def test_table_shows_latencies_targets_round_trips_and_failures() -> None:
+    console = Console(record=True, width=200, color_system=None)
     console.print(lookup_bench_table(BENCH))
     text = console.export_text()
     assert "127.0.0.1:5555" in text and "chunk 16 tokens" in text and "1.64 ms miss" in text
     rows = [line for line in text.splitlines() if line.startswith("│ tp")]
     assert len(rows) == 3
-    assert "3k" in rows[0] and "191" in rows[0] and "0.70" in rows[0] and "0.60" in rows[0]
-    assert "32k" in rows[1] and "16376" in rows[1] and "16" in rows[1]
-    assert "n/a" in rows[2]
+    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    assert cells[0][:8] == ["tp1", "32k", "2047", "61", "0.40", "0.70", "0.30", "1.90"]
+    assert cells[0][8:] == ["1", "0.10", "2", "2", "0"]
+    assert cells[1][8] == "3" and cells[1][-1] == "2"
+    assert cells[2][8] == "" and cells[2][-2] == "n/a"
+    assert [c.on_target for c in BENCH.cases] == [True, False, None]
 
 
 def test_token_and_layout_options_are_parsed_or_refused() -> None:

@@ -271,7 +271,7 @@ def test_a_full_prompt_hit_leaves_the_last_token_to_compute(service: Service) ->
     assert store.exists_calls == calls
 
 
-def test_exactly_one_batch_exists_per_lookup(service: Service) -> None:
+def test_a_short_prompt_is_one_batch_exists(service: Service) -> None:
     space = space_of(HYBRID)
     store = CountingStore()  # its backend batches hold 4 keys; the call is still one
     service.server(store, HYBRID, space)
@@ -281,6 +281,76 @@ def test_exactly_one_batch_exists_per_lookup(service: Service) -> None:
     for i in range(5):
         assert client.lookup(f"r{i}", hashes, 20 * CHUNK + 1) == 11 * CHUNK
     assert store.exists_calls == 5
+
+
+class HoleyStore(MemoryStore):
+    """Reads ``holes`` as MISSING and ``down`` as UNAVAILABLE; counts calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holes: set[str] = set()
+        self.down: set[str] = set()
+        self.calls: list[int] = []
+
+    def batch_exists(self, keys: Sequence[str]) -> list[Status]:
+        self.calls.append(len(keys))
+        out = super().batch_exists(keys)
+        return [
+            Status.UNAVAILABLE if k in self.down else Status.MISSING if k in self.holes else s
+            for k, s in zip(keys, out, strict=True)
+        ]
+
+
+def test_a_long_prompt_is_searched_in_a_few_small_rounds(service: Service) -> None:
+    n = 2047  # 32k tokens in 16-token chunks
+    space = space_of(HYBRID)
+    per_chunk = len(read_keys(HYBRID, space, b"\x00"))
+    store = HoleyStore()
+    server = service.server(store, HYBRID, space)
+    client = service.client()
+    hashes = chunk_hashes(n)
+    put_chunks(store, HYBRID, space, hashes[:1500])
+    for prompt, expected in [(n, 1500), (1500, 1499), (1501, 1500), (n + 1, 1500)]:
+        store.calls.clear()
+        assert client.lookup("r", hashes[:prompt], prompt * CHUNK) == expected * CHUNK
+        assert len(store.calls) <= 4
+        assert sum(store.calls) <= 4 * 40 * per_chunk  # a full probe is n * per_chunk keys
+    assert server.stats.keys_probed < n * per_chunk
+    # A miss at the first chunk costs one round.
+    store.calls.clear()
+    assert client.lookup("r", chunk_hashes(n, seed=b"other"), n * CHUNK) == 0
+    assert len(store.calls) == 1
+
+
+def test_a_long_prompt_stops_at_a_probed_hole_and_reports_an_unreadable_bound(
+    service: Service,
+) -> None:
+    n = 2047
+    space = space_of(MLA_DCP)
+    store = HoleyStore()
+    service.server(store, MLA_DCP, space)
+    client = service.client()
+    hashes = chunk_hashes(n)
+    put_chunks(store, MLA_DCP, space, hashes)
+    # Chunk 900 loses one namespace: the search narrows to it (prefix-closed from there).
+    store.holes = {k for h in hashes[900:] for k in read_keys(MLA_DCP, space, h)[1:]}
+    assert client.lookup("r", hashes, n * CHUNK + 1) == 900 * CHUNK
+    # The store cannot answer from chunk 900 on: the bound is unreadable, not missing.
+    store.holes, store.down = set(), store.holes
+    assert client.lookup("r", hashes, n * CHUNK + 1) == 0
+    assert client.stats.misses == {"store_unavailable": 1}
+
+
+def test_suppression_cuts_a_long_prompt_before_the_chunk(service: Service) -> None:
+    n = 2047
+    space = space_of(MLA_DCP)
+    store = HoleyStore()
+    server = service.server(store, MLA_DCP, space)
+    client = service.client()
+    hashes = chunk_hashes(n)
+    put_chunks(store, MLA_DCP, space, hashes)
+    server.suppress([read_keys(MLA_DCP, space, hashes[1234])[0], "not/of/this/space"], ttl_s=60)
+    assert client.lookup("r", hashes, n * CHUNK + 1) == 1234 * CHUNK
 
 
 # ---------------------------------------------------------------------------- suppression

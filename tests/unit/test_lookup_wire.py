@@ -15,6 +15,8 @@ from kvpool.lookup.wire import ErrorCode, ErrorReply
 
 MESSAGES: list[wire.Request | wire.Reply] = [
     wire.LookupRequest(seq=7, req_id="req-1", chunk_hashes=[b"\x01" * 32, b"\x02"], num_tokens=40),
+    wire.PackedLookup.pack(6, "req-0", [b"\x01" * 32, b"\x02" * 32], 80),
+    wire.PackedLookup.pack(5, "", [], 0),
     wire.ResetRequest(seq=8),
     wire.ResetRequest(seq=9, force=True),
     wire.LookupReply(seq=7, hit_tokens=32, keys_probed=4),
@@ -22,31 +24,37 @@ MESSAGES: list[wire.Request | wire.Reply] = [
     ErrorReply(seq=-1, code=ErrorCode.MALFORMED, message="empty frame"),
 ]
 
-# Frames of proto 1, written once by this module; they must decode forever.
-PROTO1_SAMPLES: dict[str, tuple[str, wire.Request | wire.Reply]] = {
+# Frames written once by this module (proto 1, then 2); they must decode forever.
+STORED_SAMPLES: dict[str, tuple[str, wire.Request | wire.Reply]] = {
     "lookup": (
         "86a474797065a66c6f6f6b7570a373657105a67265715f6964a161ac6368756e6b5f6861736865739"
         "1c402abcdaa6e756d5f746f6b656e730aa570726f746f01",
-        wire.LookupRequest(seq=5, req_id="a", chunk_hashes=[b"\xab\xcd"], num_tokens=10),
+        wire.LookupRequest(seq=5, req_id="a", chunk_hashes=[b"\xab\xcd"], num_tokens=10, proto=1),
     ),
     "reset": (
         "84a474797065a57265736574a373657102a5666f726365c2a570726f746f01",
-        wire.ResetRequest(seq=2),
+        wire.ResetRequest(seq=2, proto=1),
     ),
     "lookup_reply": (
         "85a474797065ac6c6f6f6b75705f7265706c79a373657101aa6869745f746f6b656e7320ab6b6579735f"
         "70726f62656404a570726f746f01",
-        wire.LookupReply(seq=1, hit_tokens=32, keys_probed=4),
+        wire.LookupReply(seq=1, hit_tokens=32, keys_probed=4, proto=1),
     ),
     "reset_reply": (
         "86a474797065ab72657365745f7265706c79a373657101a26f6bc3a772656d6f76656404a76d657373616765"
         "a16da570726f746f01",
-        wire.ResetReply(seq=1, ok=True, removed=4, message="m"),
+        wire.ResetReply(seq=1, ok=True, removed=4, message="m", proto=1),
     ),
     "error": (
         "85a474797065a56572726f72a373657103a4636f6465a96d616c666f726d6564a76d657373616765a16da5"
         "70726f746f01",
-        ErrorReply(seq=3, code="malformed", message="m"),
+        ErrorReply(seq=3, code="malformed", message="m", proto=1),
+    ),
+    # proto 2 added the packed lookup
+    "lookup.2": (
+        "87a474797065a86c6f6f6b75702e32a373657105a67265715f6964a161aa686173685f627974657302ac"
+        "6368756e6b5f686173686573c404abcd0102aa6e756d5f746f6b656e730aa570726f746f02",
+        wire.PackedLookup.pack(5, "a", [b"\xab\xcd", b"\x01\x02"], 10),
     ),
 }
 
@@ -58,40 +66,40 @@ def _decode_any(frame: bytes) -> wire.Request | wire.Reply:
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg: wire.Request | wire.Reply) -> None:
-    if isinstance(msg, wire.LookupRequest | wire.ResetRequest):
+    if isinstance(msg, wire.PackedLookup | wire.LookupRequest | wire.ResetRequest):
         assert wire.decode_request(wire.encode_request(msg)) == msg
     else:
         assert wire.decode_reply(wire.encode_reply(msg)) == msg
     assert msg.proto == wire.PROTO
 
 
-@pytest.mark.parametrize("tag", sorted(PROTO1_SAMPLES))
-def test_stored_proto1_samples_still_decode(tag: str) -> None:
-    frame, expected = PROTO1_SAMPLES[tag]
+@pytest.mark.parametrize("tag", sorted(STORED_SAMPLES))
+def test_stored_samples_still_decode(tag: str) -> None:
+    frame, expected = STORED_SAMPLES[tag]
     assert _decode_any(bytes.fromhex(frame)) == expected
 
 
 def test_a_newer_peer_with_extra_fields_is_understood() -> None:
     frame = msgspec.msgpack.encode(
-        {"type": "lookup", "proto": 2, "seq": 4, "req_id": "r", "chunk_hashes": [b"h"],
+        {"type": "lookup", "proto": 9, "seq": 4, "req_id": "r", "chunk_hashes": [b"h"],
          "num_tokens": 9, "priority": "high"}
     )  # fmt: skip
     msg = wire.decode_request(frame)
     assert isinstance(msg, wire.LookupRequest)
-    assert (msg.seq, msg.proto, msg.chunk_hashes) == (4, 2, [b"h"])
+    assert (msg.seq, msg.proto, msg.chunk_hashes) == (4, 9, [b"h"])
 
 
 def test_a_missing_field_with_a_default_takes_it() -> None:
     msg = wire.decode_request(msgspec.msgpack.encode({"type": "reset", "seq": 1}))
-    assert msg == wire.ResetRequest(seq=1, force=False, proto=1)
+    assert msg == wire.ResetRequest(seq=1, force=False, proto=wire.PROTO)
 
 
 def test_an_unknown_tag_is_unsupported_and_keeps_its_seq() -> None:
-    frame = msgspec.msgpack.encode({"type": "lookup.2", "proto": 3, "seq": 11})
+    frame = msgspec.msgpack.encode({"type": "lookup.9", "proto": 3, "seq": 11})
     reply = wire.decode_request(frame)
     assert isinstance(reply, ErrorReply)
     assert (reply.seq, reply.code) == (11, ErrorCode.UNSUPPORTED)
-    assert "lookup.2" in reply.message and "lookup, reset" in reply.message
+    assert "lookup.9" in reply.message and "lookup.2, lookup, reset" in reply.message
     # A reply tag the client does not know is described the same way.
     answer = wire.decode_reply(frame)
     assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.UNSUPPORTED
@@ -118,6 +126,39 @@ def test_invalid_fields_are_malformed_with_a_clear_message(
     assert isinstance(reply, ErrorReply)
     assert (reply.seq, reply.code) == (3, ErrorCode.MALFORMED)
     assert needle in reply.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"chunk_hashes": b"abc", "hash_bytes": 2}, "not a whole number of 2-byte hashes"),
+        ({"hash_bytes": 0}, ">= 1"),
+        ({"hash_bytes": wire.MAX_HASH_BYTES + 1}, "<= 64"),
+        ({"chunk_hashes": [b"ab"]}, "Expected `bytes`"),
+    ],
+)
+def test_a_bad_packed_lookup_is_malformed_with_a_clear_message(
+    fields: dict[str, object], needle: str
+) -> None:
+    base: dict[str, object] = {
+        "type": "lookup.2", "seq": 3, "req_id": "r", "hash_bytes": 2, "chunk_hashes": b"abcd",
+        "num_tokens": 5,
+    }  # fmt: skip
+    reply = wire.decode_request(msgspec.msgpack.encode(base | fields))
+    assert isinstance(reply, ErrorReply)
+    assert (reply.seq, reply.code) == (3, ErrorCode.MALFORMED)
+    assert needle in reply.message
+
+
+def test_packing_keeps_hashes_in_order_and_refuses_what_cannot_be_packed() -> None:
+    hashes = [bytes([i]) * 16 for i in range(5)]
+    msg = wire.PackedLookup.pack(1, "r", hashes, 100)
+    assert (msg.count, msg.hash_bytes) == (5, 16)
+    assert [msg.hash(i) for i in range(msg.count)] == hashes
+    with pytest.raises(ValueError, match="different lengths"):
+        wire.PackedLookup.pack(1, "r", [b"ab", b"abc"], 100)
+    with pytest.raises(ValueError, match="1 to 64 bytes"):
+        wire.PackedLookup.pack(1, "r", [b"x" * 65], 100)
 
 
 def test_too_many_chunk_hashes_are_refused() -> None:

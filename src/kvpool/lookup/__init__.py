@@ -1,6 +1,7 @@
 """The prefix-lookup service: how many prompt tokens of a request are in the pool.
 
     wire       versioned msgspec messages and their codecs (no sockets)
+    search     the prefix search in store rounds (pure)
     endpoint   endpoint parsing and the lock on an IPC socket path (no sockets)
     server     ``LookupServer``: one per DP engine, answers over ZMQ from a thread
     client     ``LookupClient``: the scheduler's side, a deadline on every call

@@ -209,19 +209,20 @@ class LookupClient:
             pending.reply = wire.LookupReply(seq=seq, hit_tokens=0, keys_probed=0)
         elif now < self._backoff_until:
             self._settle(pending, seq, _Code.BACKOFF, f"{self.endpoint.url} failed moments ago")
-        elif any(len(h) > wire.MAX_HASH_BYTES for h in chunk_hashes):
-            self._settle(pending, seq, _Code.MALFORMED, "a chunk hash is too long to send")
         else:
-            pending.data = wire.encode_request(
-                wire.LookupRequest(
-                    seq=seq,
-                    req_id=req_id[: wire.MAX_REQ_ID],
+            try:
+                request = wire.PackedLookup.pack(
+                    seq,
+                    req_id[: wire.MAX_REQ_ID],
                     # A prefix of the hashes still answers for a prefix of the prompt.
-                    chunk_hashes=list(chunk_hashes[: wire.MAX_CHUNK_HASHES]),
-                    num_tokens=num_tokens,
+                    chunk_hashes[: wire.MAX_CHUNK_HASHES],
+                    num_tokens,
                 )
-            )
-            self._try_send(pending)
+            except ValueError as exc:
+                self._settle(pending, seq, _Code.MALFORMED, f"cannot send the lookup: {exc}")
+            else:
+                pending.data = wire.encode_request(request)
+                self._try_send(pending)
         return seq
 
     def _advance(self, seq: int, wait: bool) -> _Pending:

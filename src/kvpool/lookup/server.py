@@ -5,9 +5,9 @@
     server.start()             bind the endpoint (IPC: take its lock, clear a stale
                                socket file) and start the serving thread; raises
                                ``LookupEndpointInUse`` or ``ConfigError``
-    server.suppress(keys, ttl) answer ``keys`` as missing for ``ttl`` seconds (keys
-                               whose load failed, so a failed load never loops);
-                               any thread may call it
+    server.suppress(keys, ttl) answer the chunks holding ``keys`` as missing for
+                               ``ttl`` seconds (keys whose load failed, so a
+                               failed load never loops); any thread may call it
     server.close(timeout_s)    stop the thread, close the socket, unlink the IPC
                                socket file and drop its lock; idempotent
     server.stats               counters (``ServerStats``)
@@ -19,13 +19,15 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
 * ``LookupRequest`` -> ``LookupReply(hit_tokens)``: the chunks that may count are
   the first ``min(len(chunk_hashes), (num_tokens - 1) // chunk_size)``, so only
   whole chunks count and a full-prompt hit leaves the last token to compute.
-  Their keys are exactly the keys the ranks would read (``plan.probe_keys``:
-  every distinct content of every group), checked in **one**
-  ``store.batch_exists`` call (none when no chunk may count). ``hit_tokens``
-  is ``plan.hit_chunks(...) * chunk_size``: a chunk counts only if every
-  namespace of every group has it, and no suppressed key. If the prefix ends
-  at a chunk the store could not answer for (no key MISSING, some key
-  UNAVAILABLE), the reply is ``ErrorReply(store_unavailable)``.
+  A chunk counts only if every key the ranks would read for it is present
+  (``plan.probe_keys``: every distinct content of every group) and it holds
+  no suppressed key. The boundary is searched in a few ``store.batch_exists``
+  rounds (``lookup.search.find_prefix``: one round over every chunk for a
+  short prompt, two or three of a few dozen chunks for a long one; none when
+  no chunk may count). ``hit_tokens`` is the counted chunks times
+  ``chunk_size``. If the prefix ends at a chunk the store could not answer for
+  (no key MISSING, some key UNAVAILABLE), the reply is
+  ``ErrorReply(store_unavailable)``.
 * ``ResetRequest`` -> ``ResetReply``: removes every object under
   ``KeySpace.prefix`` through the store's ``remove_prefix`` and reports what it
   did; ``ErrorReply(unsupported)`` for a store without that ability. It runs
@@ -53,7 +55,8 @@ from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.lookup import wire
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, PathLock
-from kvpool.plan import hit_chunks, probe_keys
+from kvpool.lookup.search import find_prefix
+from kvpool.plan import probe_keys
 from kvpool.store.base import KVStore, Status
 
 __all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix"]
@@ -111,7 +114,7 @@ class LookupServer:
         self.stats = ServerStats()
         self._clock = clock
         self._templates = _key_templates(layout, space)
-        self._suppressed: dict[str, float] = {}  # key -> clock time it ends
+        self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
         self._suppress_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._wake: zmq.Socket[bytes] | None = None  # owner's end of the stop signal
@@ -193,21 +196,34 @@ class LookupServer:
     # -- suppression ----------------------------------------------------------------
 
     def suppress(self, keys: Iterable[str], ttl_s: float) -> None:
-        """Answer ``keys`` as missing for ``ttl_s`` seconds (a longer earlier TTL stays)."""
+        """Answer ``keys`` as missing for ``ttl_s`` seconds (a longer earlier TTL
+        stays): a lookup stops before the first chunk holding one. Keys outside
+        this server's key space are ignored."""
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
         until = self._clock() + ttl_s
+        hashes = [h for h in map(self._chunk_hash, keys) if h is not None]
         with self._suppress_lock:
-            for key in keys:
-                if self._suppressed.get(key, 0.0) < until:
-                    self._suppressed[key] = until
+            for h in hashes:
+                if self._suppressed.get(h, 0.0) < until:
+                    self._suppressed[h] = until
 
-    def _live_suppressed(self) -> set[str]:
+    def _chunk_hash(self, key: str) -> bytes | None:
+        """The chunk hash a key of this space names (keys end in its hex)."""
+        for template in self._templates:
+            if key.startswith(template):
+                try:
+                    return bytes.fromhex(key[len(template) :])
+                except ValueError:
+                    return None
+        return None
+
+    def _live_suppressed(self) -> set[bytes]:
         with self._suppress_lock:
             if not self._suppressed:
                 return set()
             now = self._clock()
-            self._suppressed = {k: t for k, t in self._suppressed.items() if t > now}
+            self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
             return set(self._suppressed)
 
     # -- answering ----------------------------------------------------------------
@@ -220,7 +236,7 @@ class LookupServer:
         msg = wire.decode_request(frame, self.max_frame_bytes)
         try:
             match msg:
-                case wire.LookupRequest():
+                case wire.PackedLookup() | wire.LookupRequest():
                     reply = self._lookup(msg)
                 case wire.ResetRequest():
                     reply = self._reset(msg)
@@ -241,31 +257,50 @@ class LookupServer:
                 self.stats.errors[reply.code] += 1
         return reply
 
-    def _lookup(self, req: wire.LookupRequest) -> wire.Reply:
+    def _lookup(self, req: wire.PackedLookup | wire.LookupRequest) -> wire.Reply:
         chunk = self.chunk_size
-        usable = min(len(req.chunk_hashes), max(req.num_tokens - 1, 0) // chunk)
-        keys = self._keys(req.chunk_hashes[:usable])
-        per_chunk = len(self._templates)
+        hash_of: Callable[[int], bytes]
+        if isinstance(req, wire.PackedLookup):
+            count, hash_of = req.count, req.hash
+        else:  # proto 1: a list of hashes, maybe of mixed lengths
+            count, hash_of = len(req.chunk_hashes), req.chunk_hashes.__getitem__
+        usable = min(count, max(req.num_tokens - 1, 0) // chunk)
         suppressed = self._live_suppressed()
-        if suppressed:
-            first = next((i for i, k in enumerate(keys) if k in suppressed), len(keys))
-            keys = keys[: first - first % per_chunk]  # drop the chunk holding it, and all after
-        if not keys:
-            return wire.LookupReply(seq=req.seq, hit_tokens=0, keys_probed=0)
-        statuses = self.store.batch_exists(keys)
-        self.stats.store_calls += 1
-        self.stats.keys_probed += len(keys)
-        hit = hit_chunks([s is Status.OK for s in statuses], per_chunk)
-        if hit * per_chunk < len(keys):
-            stop = statuses[hit * per_chunk : (hit + 1) * per_chunk]
-            if Status.MISSING not in stop:
-                bad = next(s for s in stop if s is not Status.OK)
-                return wire.ErrorReply(
-                    seq=req.seq,
-                    code=wire.ErrorCode.STORE_UNAVAILABLE,
-                    message=f"the store answered {bad.name} for chunk {hit}",
+        if suppressed:  # the chunk holding a suppressed key, and all after, never count
+            usable = min(usable, _first_of(req, suppressed))
+        per_chunk = len(self._templates)
+        probed = 0
+        bound: Status | None = None  # why the last absent probe was absent
+
+        def probe(chunks: Sequence[int]) -> list[bool]:
+            nonlocal probed, bound
+            keys = self._keys([hash_of(i) for i in chunks])
+            statuses = self.store.batch_exists(keys)
+            probed += len(keys)
+            self.stats.store_calls += 1
+            present = [
+                all(s is Status.OK for s in statuses[j * per_chunk : (j + 1) * per_chunk])
+                for j in range(len(chunks))
+            ]
+            if not all(present):  # this round's first absent chunk bounds the answer
+                first = present.index(False)
+                answers = statuses[first * per_chunk : (first + 1) * per_chunk]
+                bound = (
+                    Status.MISSING
+                    if Status.MISSING in answers
+                    else next(s for s in answers if s is not Status.OK)
                 )
-        return wire.LookupReply(seq=req.seq, hit_tokens=hit * chunk, keys_probed=len(keys))
+            return present
+
+        hit = find_prefix(usable, per_chunk, probe)
+        self.stats.keys_probed += probed
+        if hit < usable and bound is not Status.MISSING:
+            return wire.ErrorReply(
+                seq=req.seq,
+                code=wire.ErrorCode.STORE_UNAVAILABLE,
+                message=f"the store answered {bound.name if bound else '?'} for chunk {hit}",
+            )
+        return wire.LookupReply(seq=req.seq, hit_tokens=hit * chunk, keys_probed=probed)
 
     def _keys(self, hashes: Sequence[bytes]) -> list[str]:
         """Chunk-major keys of ``hashes``: what ``plan.probe_keys`` gives, flattened."""
@@ -331,6 +366,26 @@ class LookupServer:
             sock.send_multipart([peer, wire.encode_reply(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading: drop the reply
             logger.debug("kvpool: lookup reply dropped: %s", exc)
+
+
+def _first_of(req: wire.PackedLookup | wire.LookupRequest, wanted: set[bytes]) -> int:
+    """The index of the first chunk of ``req`` whose hash is in ``wanted`` (the
+    chunk count if none); packed hashes are searched as bytes, not chunk by chunk."""
+    if isinstance(req, wire.LookupRequest):
+        return next(
+            (i for i, h in enumerate(req.chunk_hashes) if h in wanted), len(req.chunk_hashes)
+        )
+    blob, width = req.chunk_hashes, req.hash_bytes
+    first = req.count
+    for h in wanted:
+        if len(h) != width:
+            continue
+        at = blob.find(h)
+        while at >= 0 and at % width:  # a match across two hashes: look further
+            at = blob.find(h, at + 1)
+        if at >= 0:
+            first = min(first, at // width)
+    return first
 
 
 def _key_templates(layout: Layout, space: KeySpace) -> tuple[str, ...]:

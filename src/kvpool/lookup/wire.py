@@ -1,6 +1,6 @@
 """Lookup wire format: versioned msgspec messages, msgpack-encoded. No sockets.
 
-    Request  = LookupRequest | ResetRequest                 scheduler -> server
+    Request  = PackedLookup | LookupRequest | ResetRequest  scheduler -> server
     Reply    = LookupReply | ResetReply | ErrorReply        server -> scheduler
     encode_request(msg) / decode_request(frame)             the scheduler->server codec
     encode_reply(msg) / decode_reply(frame)                 the server->scheduler codec
@@ -23,11 +23,17 @@ describes what was wrong with it.
 Bounds (checked where a frame arrives): a frame of at most ``MAX_FRAME_BYTES``;
 at most ``MAX_CHUNK_HASHES`` chunk hashes of 1 to ``MAX_HASH_BYTES`` bytes each;
 a request id of at most ``MAX_REQ_ID`` characters.
+
+Lookups: ``PackedLookup`` (tag ``lookup.2``, what clients send) carries the
+chunk hashes as one byte string of equal-width hashes, so a 128k-token prompt
+costs one copy to send and none to receive; ``LookupRequest`` (``lookup``, a
+list of hashes, proto 1) is still answered.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Annotated, TypeAlias, TypeVar
 
 import msgspec
@@ -43,6 +49,7 @@ __all__ = [
     "ErrorReply",
     "LookupReply",
     "LookupRequest",
+    "PackedLookup",
     "Reply",
     "Request",
     "ResetReply",
@@ -53,7 +60,7 @@ __all__ = [
     "encode_request",
 ]
 
-PROTO = 1  # the schema revision this module speaks
+PROTO = 2  # the schema revision this module speaks (2: PackedLookup)
 _T = TypeVar("_T")
 
 MAX_CHUNK_HASHES = 1 << 20
@@ -70,6 +77,8 @@ Count = Annotated[int, Meta(ge=0, le=_U63)]
 Proto = Annotated[int, Meta(ge=1)]
 ChunkHash = Annotated[bytes, Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 ChunkHashes = Annotated[list[ChunkHash], Meta(max_length=MAX_CHUNK_HASHES)]
+HashBytes = Annotated[int, Meta(ge=1, le=MAX_HASH_BYTES)]
+PackedHashes = Annotated[bytes, Meta(max_length=MAX_CHUNK_HASHES * MAX_HASH_BYTES)]
 ReqId = Annotated[str, Meta(max_length=MAX_REQ_ID)]
 
 
@@ -105,6 +114,50 @@ class LookupRequest(_Message, frozen=True, tag="lookup"):
     req_id: ReqId  # vLLM's request id, for logs
     chunk_hashes: ChunkHashes
     num_tokens: Count
+
+
+class PackedLookup(_Message, frozen=True, tag="lookup.2"):
+    """``LookupRequest`` with its hashes packed: ``chunk_hashes`` is the
+    concatenation of ``count`` hashes of ``hash_bytes`` bytes each (build it
+    with ``pack``); chunk i's hash is ``hash(i)``."""
+
+    seq: Seq
+    req_id: ReqId
+    hash_bytes: HashBytes
+    chunk_hashes: PackedHashes
+    num_tokens: Count
+
+    def __post_init__(self) -> None:
+        if len(self.chunk_hashes) % self.hash_bytes:
+            raise ValueError(
+                f"chunk_hashes holds {len(self.chunk_hashes)} bytes, not a whole number of "
+                f"{self.hash_bytes}-byte hashes"
+            )
+
+    @classmethod
+    def pack(cls, seq: int, req_id: str, hashes: Sequence[bytes], num_tokens: int) -> PackedLookup:
+        """Pack ``hashes`` (all of one length). Raises ``ValueError`` when their
+        lengths differ (as far as their total shows) or are out of bounds."""
+        width = len(hashes[0]) if hashes else 1
+        blob = b"".join(hashes)
+        if len(blob) != width * len(hashes):
+            raise ValueError("chunk hashes of different lengths cannot be packed")
+        if not 1 <= width <= MAX_HASH_BYTES or len(hashes) > MAX_CHUNK_HASHES:
+            raise ValueError(
+                f"{len(hashes)} chunk hashes of {width} bytes: at most {MAX_CHUNK_HASHES} "
+                f"hashes of 1 to {MAX_HASH_BYTES} bytes fit a lookup"
+            )
+        return cls(
+            seq=seq, req_id=req_id, hash_bytes=width, chunk_hashes=blob, num_tokens=num_tokens
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.chunk_hashes) // self.hash_bytes
+
+    def hash(self, i: int) -> bytes:
+        w = self.hash_bytes
+        return self.chunk_hashes[i * w : (i + 1) * w]
 
 
 class ResetRequest(_Message, frozen=True, tag="reset"):
@@ -145,10 +198,10 @@ class ErrorReply(_Message, frozen=True, tag="error"):
     message: str
 
 
-Request: TypeAlias = LookupRequest | ResetRequest
+Request: TypeAlias = PackedLookup | LookupRequest | ResetRequest
 Reply: TypeAlias = LookupReply | ResetReply | ErrorReply
 
-_REQUEST_TAGS = ("lookup", "reset")
+_REQUEST_TAGS = ("lookup.2", "lookup", "reset")
 _REPLY_TAGS = ("lookup_reply", "reset_reply", "error")
 
 

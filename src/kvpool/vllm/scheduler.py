@@ -101,7 +101,11 @@ class SchedulerSide:
     def _hashes(self, request: Any) -> list[bytes]:
         """Chunk hashes of the request's known tokens, cut at the first suppressed one."""
         n = min(request.num_tokens // self.identity.chunk_size, self._hashed_chunks(request))
-        hashes = [self._chunk_hash(request, i) for i in range(n)]
+        per = self.identity.blocks_per_chunk
+        # One slice, not a call per chunk: a 128k-token prompt has 8k chunks.
+        hashes: list[bytes] = list(request.block_hashes[per - 1 : n * per : per])
+        if hashes and type(hashes[0]) is not bytes:
+            hashes = [bytes(h) for h in hashes]
         if self._suppressed:
             now = time.monotonic()
             self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}

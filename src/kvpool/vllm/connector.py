@@ -12,9 +12,13 @@ asynchronous (the request waits in WAITING_FOR_REMOTE_KVS); saves copy the
 blocks at the end of the forward and put them in the background, so vLLM may
 free blocks at once (``request_finished`` never delays frees).
 
-When the pool is not configured or not reachable, or the model uses something
-kvpool cannot pool yet, the connector logs one line saying why (and how to
-start a pool) and stays idle: lookups miss, nothing is saved, the engine serves.
+When the pool is not configured or not reachable (no pool file yet, the master
+down), or the model uses something kvpool cannot pool yet, the connector logs
+one line saying why (and how to start a pool) and stays idle: lookups miss,
+nothing is saved, the engine serves. A bad setting (an unknown key or a bad
+value in ``kv_connector_extra_config`` or a ``KVPOOL_*`` override, a run_dir
+too long for a socket) raises ``ConfigError`` and stops the engine at start:
+a typo must not turn caching off in silence.
 
 With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events": true}'``),
 ``take_events`` yields a ``BlockStored`` (medium "cpu", block size = chunk size)
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -43,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.config import PoolConfig, load_config
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError, PoolNotFound
 from kvpool.keys import lookup_endpoint
 from kvpool.store import open_store
 from kvpool.store.base import KVStore
@@ -69,6 +74,22 @@ if TYPE_CHECKING:
 __all__ = ["KVPoolConnector"]
 
 logger = logging.getLogger(__name__)
+
+
+def _log_like_vllm() -> None:
+    """Show kvpool's INFO lines in the engine's log, in vLLM's format: vLLM
+    configures only the ``vllm`` logger, so without this only warnings would
+    reach stderr. They stay on stderr (where warnings always went). Left alone
+    when the application configured logging itself."""
+    ours = logging.getLogger("kvpool")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(theirs.handlers[0].formatter)
+    ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.level or logging.INFO)
 
 
 def _holder_is_local(pool: PoolConfig) -> bool:
@@ -102,6 +123,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._closers: list[Any] = []
@@ -132,7 +154,11 @@ class KVPoolConnector(KVConnectorBase_V1):
                     _framed(identity, settings),
                     events=events,
                 )
-        except KVPoolError as exc:
+        except ConfigError as exc:
+            if not isinstance(exc, PoolNotFound):  # a setting to fix: stop the engine
+                raise ConfigError(f"kvpool: {exc}") from exc
+            logger.error("kvpool: %s; the connector stays idle", exc)
+        except KVPoolError as exc:  # the pool is down, the model unsupported, ...
             logger.error("kvpool: %s; the connector stays idle", exc)
 
     @property

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
@@ -75,7 +75,7 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
             )
     chunk = chunk_size or block_size
     if chunk % block_size:
-        raise UnsupportedEngine(
+        raise ConfigError(
             f"chunk_size={chunk} must be a multiple of the block size {block_size} "
             "(or unset: one block per pool object)"
         )

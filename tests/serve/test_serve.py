@@ -1,0 +1,104 @@
+"""``vllm serve`` as users run it: DP engines share one pool, across restarts and launches.
+
+Each server is the OpenAI API server with vLLM's multiprocess engine core. A
+request goes to a chosen DP engine by the ``X-data-parallel-rank`` header; the
+cached-token count is the server's own (``--enable-prompt-tokens-details``).
+A DP engine that never saw a prompt can only have it cached from the pool.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpool.demo.server import Completion, VllmServer, vllm_command
+
+Serve = Callable[..., VllmServer]
+
+PREFIX = 256  # tokens every test prompt shares with nothing else: 8 blocks of 32
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(PREFIX + 40 + seed)]
+
+
+def loaded_chunks(server: VllmServer, engine: int) -> float:
+    """kvpool's own count of chunk objects the engine loaded (from ``/metrics``)."""
+    pattern = rf'^vllm:kvpool_chunks_loaded_total\{{[^}}]*engine="{engine}"[^}}]*\}} (\S+)$'
+    found = re.findall(pattern, server.metrics(), re.MULTILINE)
+    return sum(float(v) for v in found)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def same_answer(a: Completion, b: Completion) -> bool:
+    return a.text == b.text and a.logprobs == b.logprobs
+
+
+def test_the_vllm_command_runs_under_the_cpu_build() -> None:
+    out = subprocess.run(
+        [vllm_command(), "--version"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("0.32.0")
+
+
+def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
+    serve: Serve,
+) -> None:
+    # One launch, two DP engines (--data-parallel-size 2).
+    server = serve("dp2", ["--data-parallel-size", "2"])
+    p1, p2 = prompt(1), prompt(2)
+    first = {1: server.complete(p1, dp_rank=0), 2: server.complete(p2, dp_rank=1)}
+    assert first[1].cached_tokens == 0 and first[2].cached_tokens == 0
+    # Each prompt on the other engine: its local cache never saw it, the pool did.
+    other = {1: server.complete(p1, dp_rank=1), 2: server.complete(p2, dp_rank=0)}
+    for k in (1, 2):
+        assert other[k].cached_tokens >= PREFIX, (k, other[k])
+        assert same_answer(other[k], first[k])
+    assert loaded_chunks(server, 0) > 0 and loaded_chunks(server, 1) > 0
+    server.stop()
+
+    # The whole server restarted, now as the seed-001 launch: a head with one local
+    # DP engine and a headless follower starting at global DP rank 1 (as on a
+    # second node). Local caches are empty; the pool is the same. The follower's
+    # engine must be DP engine 1, with its own lookup endpoint, and hit the pool.
+    rpc = free_port()
+    common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
+              "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", str(rpc)]  # fmt: skip
+    # Socket paths are limited to 107 bytes: short folders, not the test's tmp_path.
+    base = Path(tempfile.mkdtemp(prefix="kvp-"))
+    runs = {name: base / name for name in ("head", "follower")}
+    try:
+        follower = serve(
+            "follower",
+            [*common, "--headless", "--data-parallel-start-rank", "1"],
+            wait_health=False,
+            connector={"run_dir": str(runs["follower"])},
+        )
+        head = serve("head", common, connector={"run_dir": str(runs["head"])})
+        assert follower.running()
+        for k, ids in ((1, p1), (2, p2)):
+            for rank in (1, 0):  # rank 1: the follower's engine
+                answer = head.complete(ids, dp_rank=rank)
+                assert answer.cached_tokens >= PREFIX, (k, rank, answer)
+                assert same_answer(answer, first[k])
+        # Each process serves the lookups of its own DP engine, on its own endpoint.
+        sockets = {name: sorted(p.name for p in run.glob("*.sock")) for name, run in runs.items()}
+        assert [s.rsplit("-", 1)[-1] for s in sockets["head"]] == ["dp0.sock"], sockets
+        assert [s.rsplit("-", 1)[-1] for s in sockets["follower"]] == ["dp1.sock"], sockets
+        assert "kvpool: scheduler lookups at" in follower.log_path.read_text()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -20,7 +20,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ __all__ = [
     "ENV_PREFIX",
     "PoolConfig",
     "load_config",
+    "parse_bool",
     "parse_size",
     "pool_file_path",
     "read_pool_file",
@@ -61,6 +62,23 @@ def parse_size(value: int | str, name: str = "size") -> int:
     return int(size)
 
 
+def _doc(default: Any, doc: str) -> Any:
+    """A dataclass field with its README description (``settings.settings_table``)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def parse_bool(value: Any, name: str) -> bool:
+    """A bool, or one of 1/true/yes/on and 0/false/no/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Settings of one pool client (an engine worker, the lookup server or the CLI).
@@ -70,19 +88,27 @@ class PoolConfig:
     may use Mooncake's shared-memory path to it.
     """
 
-    master_address: str = ""  # host:port of mooncake_master
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"  # tcp or rdma
-    device_name: str = ""  # RDMA devices, "" for tcp
-    local_hostname: str = "127.0.0.1"
-    global_segment_size: int = 0  # memory this client contributes; 0 = pure client
-    local_buffer_size: int = 64 << 20
-    holder_address: str = ""  # host:port of the standalone holder, if known
-    metrics_url: str = ""  # http://host:port of the master's metrics server
-    checksum: bool = True  # xxh3 over payloads (written and verified)
-    setup_timeout_s: float = 10.0  # bound on connecting to the master
-    transfer_timeout_s: float = 5.0  # bound on one blocked transfer
-    pool_file: str = ""  # the pool file these values came from, if any
+    master_address: str = _doc("", "host:port of mooncake_master.")
+    metadata_server: str = _doc("P2PHANDSHAKE", "Mooncake's metadata server.")
+    protocol: str = _doc("tcp", "tcp or rdma.")
+    device_name: str = _doc("", "RDMA devices; empty for tcp.")
+    local_hostname: str = _doc("127.0.0.1", "The address this client advertises.")
+    global_segment_size: int = _doc(
+        0, "Memory this client contributes to the pool; 0 = a pure client."
+    )
+    local_buffer_size: int = _doc(64 << 20, "Mooncake's client transfer buffer.")
+    holder_address: str = _doc(
+        "", "host:port of the standalone holder, if known (its host enables shared memory)."
+    )
+    metrics_url: str = _doc("", "http://host:port of the master's metrics server.")
+    checksum: bool = _doc(True, "xxh3-64 over each object's payload, written and verified.")
+    setup_timeout_s: float = _doc(10.0, "Bound on connecting to the master.")
+    transfer_timeout_s: float = _doc(5.0, "Bound on one blocked transfer.")
+    pool_file: str = _doc(
+        "",
+        "The pool file `kvpool up` writes (default: $KVPOOL_HOME/pool.json); its values "
+        "come under the settings here.",
+    )
 
     def __post_init__(self) -> None:
         if self.master_address and not _is_host_port(self.master_address):
@@ -120,14 +146,7 @@ def _coerce(name: str, value: Any) -> Any:
         return parse_size(value, name)
     kind = _FIELDS[name].type
     if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return parse_bool(value, name)
     if kind == "float":
         try:
             number = float(value) if not isinstance(value, bool) else math.nan

@@ -10,10 +10,10 @@ import pytest
 
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
+from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import KVPoolWorkerMetadata
 from kvpool.vllm.scheduler import SchedulerSide
-from kvpool.vllm.settings import ConnectorSettings, parse_extra
 
 B = 32
 

@@ -12,12 +12,12 @@ import torch
 from kvpool.config import PoolConfig
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
+from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Segments, Status
 from kvpool.store.memory import MemoryStore
 from kvpool.transfer import TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, RequestOps
-from kvpool.vllm.settings import ConnectorSettings
 from kvpool.vllm.worker import WorkerSide
 
 B, NB = 32, 16  # tokens per block, blocks

@@ -648,9 +648,9 @@ def measure_hook_overhead(
     it (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
     ``worker_meta``, ``interval_stats``), the last also alone. Imports vLLM (seconds).
     """
+    from kvpool.settings import ConnectorSettings
     from kvpool.vllm.identity import EngineIdentity
     from kvpool.vllm.metadata import KVPoolMetadata
-    from kvpool.vllm.settings import ConnectorSettings
     from kvpool.vllm.worker import WorkerSide
 
     progress = on_progress or (lambda *_: None)

@@ -101,6 +101,14 @@ def plan(
     console.print(render.plan_totals_table(result))
 
 
+@cli.command("settings")
+def settings_cmd() -> None:
+    """Every kv_connector_extra_config setting: default, KVPOOL_* override, meaning."""
+    from kvpool.settings import settings_table
+
+    click.echo(settings_table(), nl=False)
+
+
 for command in (up, down, status, bench, demo, chaos):
     cli.add_command(command)
 

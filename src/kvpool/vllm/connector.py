@@ -50,13 +50,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool.config import PoolConfig, load_config
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound
 from kvpool.keys import lookup_endpoint
+from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store import open_store
 from kvpool.store.base import KVStore
 from kvpool.store.framed import FramedStore
 from kvpool.vllm.identity import EngineIdentity, engine_identity, worker_rank
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.scheduler import SchedulerSide
-from kvpool.vllm.settings import ConnectorSettings, parse_extra
 from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats
 from kvpool.vllm.worker import WorkerSide
 

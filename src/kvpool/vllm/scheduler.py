@@ -31,9 +31,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpool.settings import ConnectorSettings
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
-from kvpool.vllm.settings import ConnectorSettings
 
 __all__ = ["Lookup", "SchedulerSide"]
 

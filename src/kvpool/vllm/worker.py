@@ -49,11 +49,11 @@ import torch
 from kvpool.config import PoolConfig
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.placement import place_kv
+from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
-from kvpool.vllm.settings import ConnectorSettings
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
 __all__ = ["IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]

@@ -1,0 +1,157 @@
+"""Connector settings from vLLM's ``kv_connector_extra_config``, parsed in one place.
+
+    parse_extra(extra) -> (ConnectorSettings, pool settings dict)
+    settings_table()   -> the README's settings table (Markdown), made from the
+                          fields of ``ConnectorSettings`` and ``PoolConfig``
+
+Keys that are ``PoolConfig`` fields (``pool_file``, ``master_address``, ...)
+go to ``kvpool.config.load_config``; the keys below configure the connector.
+An unknown key is an error that lists the known ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
+
+from kvpool.config import ENV_PREFIX, PoolConfig, parse_bool, parse_size
+from kvpool.errors import ConfigError
+
+__all__ = ["ConnectorSettings", "parse_extra", "settings_table"]
+
+
+def _doc(default: Any, doc: str) -> Any:
+    """A dataclass field with its README description (``settings_table``)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """How the connector behaves; every field has a default that works after `kvpool up`."""
+
+    chunk_size: int = _doc(
+        0, "Tokens per pool object, a multiple of the block size; 0 = one block."
+    )
+    lookup_timeout_ms: float = _doc(
+        50.0, "Deadline of one scheduler-side lookup; past it the request misses."
+    )
+    lookup_async: bool = _doc(
+        False, "Answer vLLM 'ask again later' instead of waiting for the lookup."
+    )
+    save_decode: bool = _doc(False, "Also save chunks completed during decode.")
+    instance: str = _doc(
+        "", "Names the lookup endpoint; empty = from the engine's config fingerprint."
+    )
+    load_mode: Literal["auto", "direct", "staged"] = _doc(
+        "auto",
+        "staged: loads land in staging, are verified, then copied into the KV cache; "
+        "direct: straight into the KV cache; auto: staged (zero_copy loads are always "
+        "direct).",
+    )
+    shared_memory: Literal["auto", "on", "off"] = _doc(
+        "auto",
+        "Mooncake's same-host path to the holder; auto: when the holder is on this host, else TCP.",
+    )
+    staging_bytes: int = _doc(
+        256 << 20,
+        "Staging per worker (half for saves, half for staged loads); any prompt moves "
+        "through it piece by piece. Must hold one chunk object (checked at start).",
+    )
+    zero_copy: bool = _doc(
+        False,
+        "Place the KV cache in the holder's shared memory: no staging copy; loads are "
+        "direct, with no load_timeout_s, and a holder restart needs an engine restart.",
+    )
+    load_timeout_s: float = _doc(
+        5.0,
+        "A staged load with no answer this long fails (its blocks are recomputed) and its "
+        "late bytes are dropped; 0 = wait as long as the store does.",
+    )
+    failed_key_ttl_s: float = _doc(
+        60.0, "A chunk that failed to load is a miss in lookups for this long."
+    )
+    run_dir: str = _doc(
+        "", "Folder of the lookup sockets; empty = a per-user temp folder (paths <= 107 bytes)."
+    )
+    store: str = _doc("mooncake", "The store backend: a registered name or module:Class.")
+
+
+_CONNECTOR = {f.name: f for f in fields(ConnectorSettings)}
+_POOL = {f.name for f in fields(PoolConfig)}
+
+
+def _number(name: str, v: Any, kind: type[int] | type[float]) -> int | float:
+    try:
+        out = kind(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a number, got {v!r}") from None
+    if out < 0:
+        raise ConfigError(f"kv_connector_extra_config.{name} must be >= 0, got {v!r}")
+    return out
+
+
+def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
+    """Split and validate ``kv_connector_extra_config``."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(_CONNECTOR) - _POOL)
+    if unknown:
+        known = ", ".join(sorted(set(_CONNECTOR) | _POOL))
+        raise ConfigError(
+            f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; known: {known}"
+        )
+    pool = {k: v for k, v in extra.items() if k in _POOL}
+    values: dict[str, Any] = {}
+    for name, v in extra.items():
+        if name not in _CONNECTOR:
+            continue
+        if name in ("lookup_async", "save_decode", "zero_copy"):
+            values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
+        elif name == "chunk_size":
+            values[name] = int(_number(name, v, int))
+        elif name == "staging_bytes":
+            values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
+        elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
+            values[name] = float(_number(name, v, float))
+        elif name == "shared_memory":
+            if v in (True, False):
+                v = "on" if v else "off"
+            if v not in ("auto", "on", "off"):
+                raise ConfigError(
+                    f"kv_connector_extra_config.shared_memory must be auto, on or off, got {v!r}"
+                )
+            values[name] = v
+        elif name == "load_mode":
+            if v not in ("auto", "direct", "staged"):
+                raise ConfigError(
+                    f"kv_connector_extra_config.load_mode must be auto, direct or staged, got {v!r}"
+                )
+            values[name] = v
+        else:
+            values[name] = str(v)
+    return ConnectorSettings(**values), pool
+
+
+def _default(f: Any) -> str:
+    value = f.default if f.default is not MISSING else None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if f.name in ("staging_bytes", "local_buffer_size", "global_segment_size") and value:
+        return f"{value >> 20} MiB"
+    if value == "":
+        return "(empty)"
+    return f"`{value}`" if isinstance(value, str) else f"{value:g}"
+
+
+def settings_table() -> str:
+    """Every setting of ``kv_connector_extra_config``, as a Markdown table."""
+    rows = [
+        "| setting | default | override | what it does |",
+        "|---|---|---|---|",
+    ]
+    for f in fields(ConnectorSettings):
+        rows.append(f"| `{f.name}` | {_default(f)} | | {f.metadata['doc']} |")
+    for f in fields(PoolConfig):
+        env = f"`{ENV_PREFIX}{f.name.upper()}`"
+        rows.append(f"| `{f.name}` | {_default(f)} | {env} | {f.metadata['doc']} |")
+    return "\n".join(rows) + "\n"

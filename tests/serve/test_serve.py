@@ -9,7 +9,6 @@ A DP engine that never saw a prompt can only have it cached from the pool.
 from __future__ import annotations
 
 import random
-import re
 import shutil
 import socket
 import subprocess
@@ -29,11 +28,16 @@ def prompt(seed: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(PREFIX + 40 + seed)]
 
 
-def loaded_chunks(server: VllmServer, engine: int) -> float:
-    """kvpool's own count of chunk objects the engine loaded (from ``/metrics``)."""
-    pattern = rf'^vllm:kvpool_chunks_loaded_total\{{[^}}]*engine="{engine}"[^}}]*\}} (\S+)$'
-    found = re.findall(pattern, server.metrics(), re.MULTILINE)
-    return sum(float(v) for v in found)
+def metric(server: VllmServer, name: str, engine: int | None = None) -> float:
+    """The sum of a counter's samples in the server's ``/metrics`` (one engine's, or all)."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        sample, _, value = line.rpartition(" ")
+        if not sample.startswith(name + "{") and sample != name:
+            continue
+        if engine is None or f'engine="{engine}"' in sample:
+            total += float(value)
+    return total
 
 
 def free_port() -> int:
@@ -67,7 +71,12 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
     for k in (1, 2):
         assert other[k].cached_tokens >= PREFIX, (k, other[k])
         assert same_answer(other[k], first[k])
-    assert loaded_chunks(server, 0) > 0 and loaded_chunks(server, 1) > 0
+    # kvpool's counters in the server's Prometheus metrics, and vLLM's hit rate.
+    assert metric(server, "vllm:kvpool_chunks_loaded_total", 0) > 0
+    assert metric(server, "vllm:kvpool_chunks_loaded_total", 1) > 0
+    assert metric(server, "vllm:kvpool_lookups_total") >= 4
+    assert metric(server, "vllm:kvpool_lookup_failures_total") == 0
+    assert metric(server, "vllm:external_prefix_cache_hits_total") >= 2 * PREFIX
     server.stop()
 
     # The whole server restarted, now as the seed-001 launch: a head with one local

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import prometheus_client
 
 from kvpool.transfer import TransferStats
-from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats, stats_delta
+from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats, LookupInterval, stats_delta
 
 
 def test_delta_aggregate_and_reduce() -> None:
@@ -27,12 +27,13 @@ def test_delta_aggregate_and_reduce() -> None:
     total = a.aggregate(b).aggregate(a)
     reduced = total.reduce()
     assert reduced["chunks_saved"] == 6 and reduced["bytes_saved"] == 600
-    assert reduced["load_failures"] == 4 and reduced["load_failures_missing"] == 4
+    assert reduced["load_failures"] == 4 and reduced["transfer_failures_missing"] == 4
     assert reduced["queue_depth"] == 3 and reduced["backpressure"] == 1
     assert reduced["saves_refused"] == 2
 
 
-def test_prometheus_metrics_are_exported() -> None:
+def _metrics() -> tuple[KVPoolPromMetrics, prometheus_client.CollectorRegistry]:
+    """kvpool's Prometheus metrics for one engine ("0"), on a registry of their own."""
     registry = prometheus_client.CollectorRegistry()
 
     def counter(**kw: object) -> prometheus_client.Counter:
@@ -47,8 +48,40 @@ def test_prometheus_metrics_are_exported() -> None:
         prometheus_client.Gauge: gauge,
         prometheus_client.Histogram: prometheus_client.Histogram,
     }
-    metrics = KVPoolPromMetrics(config, types, ["engine"], {0: ["0"]})
+    return KVPoolPromMetrics(config, types, ["engine"], {0: ["0"]}), registry
+
+
+def test_prometheus_metrics_are_exported() -> None:
+    metrics, registry = _metrics()
     metrics.observe({"chunks_saved": 3, "bytes_saved": 1024, "queue_depth": 2}, 0)
     text = prometheus_client.generate_latest(registry).decode()
     assert 'vllm:kvpool_chunks_saved_total{engine="0"} 3.0' in text
     assert 'vllm:kvpool_queue_depth{engine="0"} 2.0' in text
+
+
+def test_lookup_intervals_count_lookups_and_failures_by_reason() -> None:
+    interval = LookupInterval()
+    assert interval.take(0, {}) is None
+    first = interval.take(5, Counter(timeout=2))
+    assert first == {"lookups": 5, "lookup_failures_by_reason": {"timeout": 2}}
+    assert interval.take(5, Counter(timeout=2)) is None  # nothing new
+    second = interval.take(9, Counter(timeout=2, store_unavailable=1))
+    assert second == {"lookups": 4, "lookup_failures_by_reason": {"store_unavailable": 1}}
+    merged = KVPoolStats(data=first).aggregate(KVPoolStats(data=second))
+    assert not merged.is_empty()
+    reduced = merged.reduce()
+    assert reduced["lookups"] == 9
+    assert reduced["lookup_failures_timeout"] == 2
+    assert reduced["lookup_failures_store_unavailable"] == 1
+
+
+def test_failures_are_exported_with_their_cause_and_reason() -> None:
+    metrics, registry = _metrics()
+    now = TransferStats(failures=Counter({"missing": 2, "corrupt": 1}))
+    metrics.observe(stats_delta(now, TransferStats(), queue_depth=0, backpressure=False), 0)
+    metrics.observe({"lookups": 3, "lookup_failures_by_reason": {"timeout": 1}}, 0)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'vllm:kvpool_transfer_failures_total{cause="missing",engine="0"} 2.0' in text
+    assert 'vllm:kvpool_transfer_failures_total{cause="corrupt",engine="0"} 1.0' in text
+    assert 'vllm:kvpool_lookup_failures_total{engine="0",reason="timeout"} 1.0' in text
+    assert 'vllm:kvpool_lookups_total{engine="0"} 3.0' in text

@@ -207,7 +207,7 @@ def _run_warm(
     return out
 
 
-def _mooncake_env(workdir: Path, master_address: str) -> dict[str, str]:
+def mooncake_env(workdir: Path, master_address: str) -> dict[str, str]:
     """vLLM's in-tree Mooncake connector reads its settings from a file."""
     mc_config = workdir / "mooncake.json"
     mc_config.write_text(
@@ -274,7 +274,7 @@ def run_engine_bench(
     try:
         cfg = pool.config()
         pool_file = pool.write_pool_file(workdir / "pool.json")
-        env = _mooncake_env(workdir, cfg.master_address)
+        env = mooncake_env(workdir, cfg.master_address)
         for name in connectors:
             spec = {**base_spec, "prompts": ids, "connector": name}
             if name == "kvpool":

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from kvpool.cli import bench_serve_cmd as _bench_serve  # noqa: F401  (registers `bench serve`)
 from kvpool.cli import bench_vllm_cmd as _bench_vllm  # noqa: F401  (registers `bench vllm`)
 from kvpool.cli import render
 from kvpool.cli.bench_cmd import bench

@@ -18,11 +18,11 @@ from rich import box
 from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
-from kvpool.bench.shapes import SHAPES, parse_shape
+from kvpool.bench.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.console import PhaseBars, console
 
-__all__ = ["engine_bench_table"]
+__all__ = ["connectors_or_fail", "engine_bench_table", "shape_or_fail"]
 
 
 def engine_bench_table(result: EngineBench) -> Table:
@@ -85,6 +85,22 @@ def engine_bench_legend(result: EngineBench) -> str:
     )
 
 
+def shape_or_fail(text: str) -> ModelShape:
+    """``--shape`` of the engine benches: a named shape or LxHxD[:dtype]."""
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shape") from None
+
+
+def connectors_or_fail(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``--connectors``: a comma-separated subset of ``allowed``."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names or set(names) - set(allowed):
+        raise click.BadParameter(f"choose among {', '.join(allowed)}", param_hint="--connectors")
+    return names
+
+
 def _lengths(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
@@ -137,13 +153,8 @@ def bench_vllm(
     """TTFT at a real model's KV size: kvpool, vLLM's in-tree connector, no connector."""
     from kvpool.bench.engines import run_engine_bench
 
-    try:
-        model_shape = parse_shape(shape)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--shape") from None
-    names = tuple(n.strip() for n in connectors.split(",") if n.strip())
-    if not names or set(names) - {"kvpool", "mooncake"}:
-        raise click.BadParameter("use kvpool and/or mooncake", param_hint="--connectors")
+    model_shape = shape_or_fail(shape)
+    names = connectors_or_fail(connectors, ("kvpool", "mooncake"))
     try:
         settings = json.loads(extra)
     except json.JSONDecodeError as exc:

@@ -57,7 +57,7 @@ from kvpool.store.framed import FramedStore
 from kvpool.vllm.identity import EngineIdentity, engine_identity, worker_rank
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.scheduler import SchedulerSide
-from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats
+from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats, LookupInterval
 from kvpool.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -70,6 +70,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvpool.lookup.client import LookupClient
 
 __all__ = ["KVPoolConnector"]
 
@@ -126,6 +128,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         _log_like_vllm()
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._lookup_client: LookupClient | None = None
+        self._lookups = LookupInterval()
         self._closers: list[Any] = []
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class checked it
@@ -187,6 +191,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._closers.insert(0, server.close)
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
         self._closers.insert(0, client.close)
+        self._lookup_client = client
         logger.info("kvpool: scheduler lookups at %s (pool %s)", endpoint, pool.master_address)
         return SchedulerSide(identity, settings, client, events=events)
 
@@ -285,7 +290,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         return self._worker.load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self._worker.interval_stats() if self._worker is not None else None
+        data = None
+        if self._worker is not None:
+            data = self._worker.interval_stats()
+        elif self._lookup_client is not None:  # the scheduler: its lookups
+            stats = self._lookup_client.stats
+            data = self._lookups.take(stats.lookups, stats.misses)
         return KVPoolStats(data=data) if data is not None else None
 
     @classmethod

@@ -1,17 +1,25 @@
 """Connector counters for vLLM's stats logger and Prometheus.
 
     stats_delta(now, before, depth, pressure) -> the data dict of one interval
-    KVPoolStats       vLLM's KVConnectorStats over that dict: counters add up
-                      across workers and intervals; gauges keep the maximum
+                      (a worker's transfers)
+    LookupInterval    the scheduler's lookups since the last interval
+    KVPoolStats       vLLM's KVConnectorStats over those dicts: counters add up
+                      across workers and intervals, dicts of counts add up by
+                      key; gauges keep the maximum
     KVPoolPromMetrics registers ``vllm:kvpool_*`` counters and gauges, per engine
 
 Counters: chunks and bytes saved and loaded, chunks skipped as already stored,
-saves and chunks refused (backpressure, staging busy), load failures by cause,
-backpressure events. Gauges: transfer queue depth, backpressure (0/1).
+saves and chunks refused (backpressure, staging busy), transfer failures by
+status (label ``cause``), lookups and lookup failures by reason (label ``reason``:
+timeout, unreachable, store_unavailable, backoff, ...), backpressure events.
+Gauges: transfer queue depth, backpressure (0/1). The hit rate is vLLM's own:
+``vllm:external_prefix_cache_hits_total / vllm:external_prefix_cache_queries_total``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvpool.transfer import TransferStats
 
-__all__ = ["GAUGES", "KVPoolPromMetrics", "KVPoolStats", "stats_delta"]
+__all__ = ["GAUGES", "KVPoolPromMetrics", "KVPoolStats", "LookupInterval", "stats_delta"]
 
 GAUGES = ("queue_depth", "backpressure")
 COUNTERS = {
@@ -33,8 +41,22 @@ COUNTERS = {
     "chunks_refused": "Chunks not saved because their save was refused",
     "chunks_loaded": "Chunk objects loaded from the pool",
     "bytes_loaded": "Payload bytes loaded from the pool",
-    "load_failures": "Chunk loads that failed (missing, corrupt, transfer failure, ...)",
     "backpressure_events": "Times saves were paused because the pool refused puts",
+    "lookups": "Lookups the scheduler asked the pool (answered, failed or timed out)",
+}
+# Counters with a second label: data key of the per-label counts -> (name, label, doc).
+LABELED = {
+    "failures_by_cause": (
+        "transfer_failures",
+        "cause",
+        "Chunk loads and puts that failed, by status (missing, corrupt, no_space, "
+        "transfer_failed, unavailable, ...)",
+    ),
+    "lookup_failures_by_reason": (
+        "lookup_failures",
+        "reason",
+        "Lookups answered as a miss because they failed, by reason (timeout, ...)",
+    ),
 }
 
 
@@ -60,6 +82,23 @@ def stats_delta(
     }
 
 
+class LookupInterval:
+    """The scheduler's lookup counters since the previous ``take``."""
+
+    def __init__(self) -> None:
+        self._lookups = 0
+        self._failures: Counter[str] = Counter()
+
+    def take(self, lookups: int, failures: Mapping[str, int]) -> dict[str, Any] | None:
+        """The interval's data from the client's running totals; None if nothing new."""
+        new = {k: v - self._failures[k] for k, v in failures.items() if v > self._failures[k]}
+        if lookups == self._lookups and not new:
+            return None
+        out = {"lookups": lookups - self._lookups, "lookup_failures_by_reason": new}
+        self._lookups, self._failures = lookups, Counter(failures)
+        return out
+
+
 @dataclass
 class KVPoolStats(KVConnectorStats):
     """One interval of kvpool counters (``data`` as made by ``stats_delta``)."""
@@ -72,7 +111,7 @@ class KVPoolStats(KVConnectorStats):
         for k, v in other.data.items():
             if k in GAUGES:
                 merged[k] = max(merged.get(k, 0), v)
-            elif k == "failures_by_cause":
+            elif isinstance(v, dict):  # counts by cause or reason
                 causes = dict(merged.get(k, {}))
                 for cause, n in v.items():
                     causes[cause] = causes.get(cause, 0) + n
@@ -85,12 +124,13 @@ class KVPoolStats(KVConnectorStats):
         out: dict[str, int | float] = {
             k: v for k, v in self.data.items() if isinstance(v, int | float)
         }
-        for cause, n in self.data.get("failures_by_cause", {}).items():
-            out[f"load_failures_{cause}"] = n
+        for key, (name, _, _) in LABELED.items():
+            for cause, n in self.data.get(key, {}).items():
+                out[f"{name}_{cause}"] = n
         return out
 
     def is_empty(self) -> bool:
-        active = ("chunks_saved", "chunks_loaded", "load_failures", "saves_refused")
+        active = ("chunks_saved", "chunks_loaded", "load_failures", "saves_refused", "lookups")
         return not any(self.data.get(k) for k in (*active, "chunks_skipped"))
 
 
@@ -111,6 +151,14 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
+        self._labeled = {
+            key: self._counter_cls(
+                name=f"vllm:kvpool_{name}_total",
+                documentation=doc,
+                labelnames=[*labelnames, label],
+            )
+            for key, (name, label, doc) in LABELED.items()
+        }
         self._gauges = {
             "queue_depth": self._gauge_cls(
                 name="vllm:kvpool_queue_depth",
@@ -130,5 +178,9 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(name, 0)
             if value:
                 counter.labels(*labels).inc(value)
+        for key, labeled in self._labeled.items():
+            for cause, n in transfer_stats_data.get(key, {}).items():
+                if n:
+                    labeled.labels(*labels, cause).inc(n)
         for name, gauge in self._gauges.items():
             gauge.labels(*labels).set(transfer_stats_data.get(name, 0))

@@ -79,7 +79,7 @@ def test_a_killed_holder_gives_typed_failures_never_exceptions(
         assert not any(p.ok for p in puts)
         got = store.batch_get(["before"], [seg(out)])
         assert got[0] in (Status.TRANSFER_FAILED, Status.MISSING)
-        assert not np.array_equal(out, a) or got == [Status.OK]
+        assert not np.array_equal(out, a)  # a failed get leaves no bytes behind
         # once the master drops the segment (client_ttl), there is just no space
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

@@ -32,8 +32,12 @@ def test_table_shows_both_paths_ratios_and_failures() -> None:
     assert "256 KiB" in text and "1 MiB" in text
     rows = [line for line in text.splitlines() if " put " in line or " get " in line]
     assert len(rows) == 4
-    assert "0.90" in rows[0] and "1.00" in rows[0]  # put: 0.9 / 1.0
-    assert "0.94" in rows[2] and "3" in rows[2]  # 1.5 / 1.6, three failures
+    cells = [[c.strip() for c in row.strip("│").split("│")] for row in rows]
+    # object, batch, op, kvpool, raw, kvpool/raw, numpy copy, failures
+    assert cells[0] == ["256 KiB", "256", "put", "0.90", "1.00", "0.90", "9.00", "0"]
+    assert cells[1][2:6] == ["get", "1.00", "1.00", "1.00"]
+    assert cells[2] == ["1 MiB", "64", "put", "1.50", "1.60", "0.94", "9.50", "3"]
+    assert cells[3][2:6] == ["get", "1.20", "1.60", "0.75"]  # the ratio of each op
 
 
 def test_json_adds_ratios() -> None:

@@ -112,6 +112,11 @@ def interleaved_layers(n: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"l{i}", cache[:, i]) for i in range(n)]
 
 
+# Segments of one block over 3 layers: one per layer where K and V of a block sit
+# together (cpu, mla, shared), K and V apart (flash), or all layers merged (interleaved).
+SEGMENTS = {"cpu": 3, "flash": 6, "mla": 3, "shared": 3, "interleaved": 1}
+
+
 @pytest.mark.parametrize("kind", [*LAYOUTS, "shared", "interleaved"])
 def test_one_block_columns_cover_exactly_the_rows_of_the_block(kind: str) -> None:
     """The per-block plan (no numpy work per object) against the rows it stands for."""
@@ -127,7 +132,7 @@ def test_one_block_columns_cover_exactly_the_rows_of_the_block(kind: str) -> Non
             expected += [(reg.base + int(r) * reg.row_bytes, reg.row_bytes) for r in rows]
         assert _byte_runs(a, n) == _byte_runs(*map(list, zip(*expected, strict=True)))
         assert sum(n) == spec.block_nbytes and all(type(x) is int for x in a + n)
-        assert len(a) == {"interleaved": 1, "shared": 3}.get(kind, len(a))  # merged or not
+        assert len(a) == SEGMENTS[kind], (kind, len(a))  # merged where contiguous, or not
     assert spec.segments(ids[:2]) == [
         list(zip(a, n, strict=True)) for a, n in zip(addrs[:2], sizes[:2], strict=True)
     ]

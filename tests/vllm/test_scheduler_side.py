@@ -293,3 +293,14 @@ def test_refusals_from_several_workers_keep_the_first_chunk() -> None:
     b = KVPoolWorkerMetadata(refused={"r": 2})
     merged = a.aggregate(b)
     assert isinstance(merged, KVPoolWorkerMetadata) and merged.refused == {"r": 2, "q": 1}
+
+
+def test_block_hashes_random_per_process_are_refused() -> None:
+    from kvpool.vllm.identity import UnsupportedEngine, check_shared_hashes
+
+    for algo in ("xxhash", "xxhash_cbor"):
+        with pytest.raises(UnsupportedEngine, match="PYTHONHASHSEED"):
+            check_shared_hashes(algo, env={})
+        check_shared_hashes(algo, env={"PYTHONHASHSEED": "0"})  # one seed everywhere
+    for algo in ("sha256", "sha256_cbor"):  # vLLM seeds these with a fixed default
+        check_shared_hashes(algo, env={})

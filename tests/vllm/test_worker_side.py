@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kvpool.config import PoolConfig
@@ -320,3 +322,26 @@ def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks
         worker.register(kv_caches())
         assert worker._may_retry(refused) is retry, (events, config is sliding)
         worker.close()
+
+
+def test_kv_tensors_off_the_host_are_refused_and_the_worker_stays_idle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    opened: list[KVStore] = []
+
+    def open_store(_: PoolConfig) -> KVStore:
+        opened.append(MemoryStore())
+        return opened[-1]
+
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    # "meta" tensors stand in for device memory: no host address behind them.
+    caches = {f"l{i}": torch.empty(NB, 2, B, 64, device="meta") for i in range(2)}
+    worker = WorkerSide(identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, open_store)
+    with caplog.at_level(logging.ERROR, logger="kvpool"):
+        worker.register(caches)
+    assert worker.engine is None and not opened  # no store opened, no copy planned
+    assert "KV tensors on meta" in caplog.text and "stays idle" in caplog.text
+    worker.start_loads(KVPoolMetadata(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, True)  # a miss: vLLM recomputes

@@ -6,6 +6,8 @@
            or UnsupportedEngine with the reason
     worker_rank(layout)  this worker's rank in the layout, from vLLM's process
                          groups (TP, PP, PCP, DCP); checks the group construction
+    check_shared_hashes(algo, env)  UnsupportedEngine if block hashes are random
+                         per process (xxhash without PYTHONHASHSEED)
 
 The scheduler and every worker call ``engine_identity`` on the same config and
 so agree on every key. DP identity is ``parallel_config.data_parallel_index``
@@ -57,6 +59,23 @@ def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
     )
 
 
+# vLLM's non-cryptographic block hashes: without PYTHONHASHSEED, vLLM seeds them
+# with random bytes per process (kv_cache_utils.resolve_none_hash_seed).
+_PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def check_shared_hashes(hash_algo: str, env: Any = None) -> None:
+    """``UnsupportedEngine`` when this engine's block hashes are random per
+    process: no other engine could ever hit what it saves."""
+    env = os.environ if env is None else env
+    if hash_algo in _PER_PROCESS_HASHES and env.get("PYTHONHASHSEED") is None:
+        raise UnsupportedEngine(
+            f"prefix_caching_hash_algo={hash_algo} without PYTHONHASHSEED: vLLM seeds its "
+            "block hashes with random bytes per process, so no other engine could hit what "
+            "this one saves; set PYTHONHASHSEED to one value on every engine, or use sha256"
+        )
+
+
 def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0) -> EngineIdentity:
     """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled."""
     model = vllm_config.model_config
@@ -66,6 +85,7 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
     groups = [_group_spec(g.kv_cache_spec, total_heads) for g in kv_cache_config.kv_cache_groups]
     if not groups:
         raise UnsupportedEngine("the model has no KV cache groups")
+    check_shared_hashes(str(getattr(cache, "prefix_caching_hash_algo", "sha256")))
     block_size = int(cache.block_size)
     for g in kv_cache_config.kv_cache_groups:
         if int(g.kv_cache_spec.block_size) != block_size:

@@ -127,6 +127,14 @@ class WorkerSide:
         if not groups:
             logger.warning("kvpool: no KV tensors on this worker; the connector stays idle")
             return
+        devices = sorted({t.device.type for layers in groups for _, t in layers} - {"cpu"})
+        if devices:  # the copies are host memmoves: a device pointer must never reach them
+            logger.error(
+                "kvpool: KV tensors on %s; kvpool moves host memory only so far: the worker "
+                "connector stays idle (loads miss, nothing is saved)",
+                ", ".join(devices),
+            )
+            return
         self._groups = groups
         self._frees_early = bool(self._blocks_freed_early())
         try:

@@ -96,6 +96,14 @@ class CheckFailure(enum.Enum):
     KEY = "written for another key"
     LENGTH = "payload length differs from the expected length"
     CHECKSUM = "payload checksum mismatch"
+    NO_CHECKSUM = "written without a checksum, which this reader requires"
+
+    @property
+    def damaged(self) -> bool:
+        """The object's bytes are wrong, as opposed to written by a healthy writer
+        under other settings (checksums off). The format version is part of the
+        key, so another version under this key is damage too."""
+        return self is not CheckFailure.NO_CHECKSUM
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +233,9 @@ def check(
     """None if ``header`` describes ``payload_len`` bytes of ``key`` under ``fingerprint``.
 
     ``checksum`` is the checksum the reader computed over the payload, or None
-    to skip that check; it is compared only when the header carries one.
-    Fields are checked in layout order and the first bad one is returned.
+    to skip that check; a reader that gives one requires the header to carry
+    one (``NO_CHECKSUM`` otherwise). Fields are checked in layout order and the
+    first bad one is returned.
     """
     if header.magic != MAGIC:
         return CheckFailure.MAGIC
@@ -242,7 +251,9 @@ def check(
         return CheckFailure.KEY
     if header.payload_len != payload_len:
         return CheckFailure.LENGTH
-    if checksum is not None and header.has_checksum and header.checksum != checksum:
+    if checksum is not None and not header.has_checksum:
+        return CheckFailure.NO_CHECKSUM
+    if checksum is not None and header.checksum != checksum:
         return CheckFailure.CHECKSUM
     return None
 
@@ -304,7 +315,7 @@ class HeaderTable:
                 and reserved == _ZERO
                 and fp == fingerprint
                 and length == n
-                and (checksums is None or flags == 0 or cs == checksums[i])
+                and (checksums is None or (flags == FLAG_CHECKSUM and cs == checksums[i]))
                 and dig == digest(key.encode())
             )
         return out

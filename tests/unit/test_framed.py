@@ -101,6 +101,22 @@ def test_a_flipped_byte_reads_corrupt_with_its_cause(
     assert framed.corrupt_counts == {cause: 1}
 
 
+def test_a_verifying_reader_refuses_objects_written_without_checksum(inner: MemoryStore) -> None:
+    """Checksums on insists on them: an object of a checksum-off writer is a miss
+    (MISMATCH, not damage: it stays), never a read whose verification was skipped."""
+    writer = FramedStore(inner, FP, checksum=False)
+    a = buf(64)
+    writer.batch_put(["k"], [split(a)])
+    out = np.zeros_like(a)
+    reader = FramedStore(inner, FP, checksum=True)
+    assert reader.batch_get(["k"], [split(out)]) == [Status.MISMATCH]
+    assert reader.corrupt_counts == {CheckFailure.NO_CHECKSUM: 1}
+    # A reader without verification takes it; the writer's own reads too.
+    lax = FramedStore(inner, FP, checksum=False)
+    assert lax.batch_get(["k"], [split(out)]) == [Status.OK]
+    assert np.array_equal(out, a)
+
+
 def test_object_written_under_another_fingerprint_reads_corrupt(inner: MemoryStore) -> None:
     writer = FramedStore(inner, OTHER_FP)
     reader = FramedStore(inner, FP)

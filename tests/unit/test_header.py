@@ -104,9 +104,12 @@ def test_each_mismatched_argument_is_named(
     assert check(h, fp, key, n, None) is None  # checksum not verified
 
 
-def test_header_without_checksum_skips_checksum_check() -> None:
+def test_a_reader_that_verifies_refuses_a_header_without_checksum() -> None:
     h = unpack(pack(FP, "k", 5))
-    assert check(h, FP, "k", 5, 999) is None
+    assert check(h, FP, "k", 5) is None  # a reader that does not verify accepts it
+    failure = check(h, FP, "k", 5, 999)  # one that does insists on a checksum
+    assert failure is CheckFailure.NO_CHECKSUM and not failure.damaged
+    assert CheckFailure.CHECKSUM.damaged and CheckFailure.VERSION.damaged
 
 
 def test_unpack_too_short_raises_header_error() -> None:

@@ -12,12 +12,14 @@ headers. It owns ``inner`` and closes it.
                                 is copied next to its header instead: one transfer
                                 slice less, see ``KVStore.merge_bytes``)
     batch_get(keys, payloads)   reads header + payload and checks the header against
-                                the fingerprint, the key, the payload length and
-                                (when the header has one and ``verify``) the checksum;
-                                a mismatch is CORRUPT, so bad bytes are never OK
+                                the fingerprint, the key, the payload length and,
+                                with ``verify``, the checksum, which the header must
+                                then carry; damaged bytes are CORRUPT, an object of
+                                a healthy writer with checksums off is MISMATCH
+                                (left in place): never OK either way
     batch_exists, batch_remove  passed through (an exists hit may still read CORRUPT)
 
-Each CORRUPT is counted per cause in ``corrupt_counts`` and logged at WARNING
+Each rejection is counted per cause in ``corrupt_counts`` and logged at WARNING
 the first time its cause appears (later ones at DEBUG). A payload of another
 size than the stored one reads CORRUPT too (cause ``LENGTH``).
 """
@@ -56,9 +58,10 @@ class FramedStore(KVStore):
     """Adds and checks object headers around any ``KVStore``. See the module docstring.
 
     ``checksum`` writes an xxh3 checksum of each payload (``PoolConfig.checksum``);
-    ``verify`` (default: ``checksum``) checks it on reads of objects that carry
-    one. ``slots`` bounds the headers in flight at once; concurrent calls wait
-    for free slots, and each backend sub-batch holds at most ``slots`` of them.
+    ``verify`` (default: ``checksum``) checks it on reads and refuses objects
+    written without one (MISMATCH): verification is never skipped in silence.
+    ``slots`` bounds the headers in flight at once; concurrent calls wait for free
+    slots, and each backend sub-batch holds at most ``slots`` of them.
     ``inline_bytes`` (default: ``inner.merge_bytes``) is the largest first payload
     segment copied into the header's slot; slots then shrink to fit an arena of
     about ``INLINE_ARENA`` bytes.
@@ -185,9 +188,10 @@ class FramedStore(KVStore):
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
-                out[i] = Status.CORRUPT
                 checksum = sums[j] if sums is not None else None
-                self._reject(keys[i], self._failure(keys[i], lengths[j], slots[i], checksum))
+                failure = self._failure(keys[i], lengths[j], slots[i], checksum)
+                out[i] = Status.CORRUPT if failure.damaged else Status.MISMATCH
+                self._reject(keys[i], failure)
             return out
         finally:
             self._release(slots)

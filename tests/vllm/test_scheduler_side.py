@@ -149,6 +149,33 @@ def test_failed_load_suppresses_chunks_so_lookups_do_not_loop() -> None:
     assert len(lookup.calls[-1]) == 3  # the lookup stops before the failed chunk
 
 
+def test_suppression_expires_in_order_and_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from kvpool.vllm import scheduler
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduler, "_MAX_SUPPRESSED", 3)
+    s, lookup, _ = side(hit=8 * B, failed_key_ttl_s=60)
+    req = FakeRequest.make("r", 8 * B + 3)
+    h = req.block_hashes
+    s.worker_output(KVPoolWorkerMetadata({h[5]}))
+    clock[0] += 30
+    s.worker_output(KVPoolWorkerMetadata({h[2]}))
+    assert s.matched_tokens(req, 0)[0] == 2 * B  # both live: cut at chunk 2
+    clock[0] += 31  # chunk 5's suppression ended, chunk 2's has not
+    assert s.matched_tokens(req, 0)[0] == 2 * B and list(s._suppressed) == [h[2]]
+    clock[0] += 30
+    assert s.matched_tokens(req, 0)[0] == 8 * B and not s._suppressed
+    # At most _MAX_SUPPRESSED chunks are kept: the oldest go first.
+    for k in (1, 3, 4, 6):
+        s.worker_output(KVPoolWorkerMetadata({h[k]}))
+    assert list(s._suppressed) == [h[3], h[4], h[6]]
+    assert s.matched_tokens(req, 0)[0] == 3 * B
+    assert len(lookup.calls[-1]) == 3
+
+
 def test_async_lookup_returns_none_until_answered() -> None:
     s, lookup, _ = side(hit=4 * B, lookup_async=True)
     req = FakeRequest.make("r", 8 * B)

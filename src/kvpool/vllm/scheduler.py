@@ -40,6 +40,7 @@ __all__ = ["Lookup", "SchedulerSide"]
 logger = logging.getLogger(__name__)
 
 _MAX_UNSTORED = 65536  # chunks awaiting their stored report (older ones are dropped)
+_MAX_SUPPRESSED = 65536  # chunks kept out of lookups after a failed load (oldest dropped)
 
 
 class Lookup(Protocol):
@@ -76,7 +77,8 @@ class SchedulerSide:
         self.kv_cache_manager = kv_cache_manager
         self._requests: dict[str, _Request] = {}
         self._planned: dict[str, tuple[int, int]] = {}  # req -> chunks [a, b) to load
-        self._suppressed: dict[bytes, float] = {}  # chunk hash -> until (monotonic)
+        # chunk hash -> until (monotonic), oldest first; at most _MAX_SUPPRESSED
+        self._suppressed: OrderedDict[bytes, float] = OrderedDict()
         self._async_started: set[str] = set()
         self.lookups = 0
         self.hit_tokens = 0
@@ -108,7 +110,8 @@ class SchedulerSide:
             hashes = [bytes(h) for h in hashes]
         if self._suppressed:
             now = time.monotonic()
-            self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
+            while self._suppressed and next(iter(self._suppressed.values())) <= now:
+                self._suppressed.popitem(last=False)  # expired: one TTL, so oldest first
             for i, h in enumerate(hashes):
                 if h in self._suppressed:
                     return hashes[:i]
@@ -272,7 +275,10 @@ class SchedulerSide:
         if isinstance(meta, KVPoolWorkerMetadata) and meta.failed_hashes:
             until = time.monotonic() + self.settings.failed_key_ttl_s
             for h in meta.failed_hashes:
+                self._suppressed.pop(h, None)  # renewed: to the end of the order
                 self._suppressed[h] = until
+            while len(self._suppressed) > _MAX_SUPPRESSED:
+                self._suppressed.popitem(last=False)
             logger.info(
                 "kvpool: %d chunk(s) failed to load; lookups skip them for %.0f s",
                 len(meta.failed_hashes),

@@ -31,7 +31,7 @@ from kvpool.keys import KeySpace, lookup_endpoint
 from kvpool.layout import Layout
 from kvpool.lookup import wire
 from kvpool.lookup.client import LookupClient
-from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse
+from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, private_dir
 from kvpool.lookup.server import LookupServer, SupportsRemovePrefix
 from kvpool.plan import chunk_hashes, probe_keys
 from kvpool.store.base import KVStore, Segments, Status
@@ -722,6 +722,48 @@ def test_a_file_that_is_not_a_socket_is_never_deleted(service: Service) -> None:
     with pytest.raises(ConfigError, match="not a socket"):
         service.server(MemoryStore())
     assert path.read_text() == "not mine"
+
+
+def test_the_socket_is_private_and_a_stopped_server_leaves_no_file(service: Service) -> None:
+    ep = Endpoint.parse(service.endpoint)
+    server = service.server(MemoryStore())
+    assert Path(ep.path).is_socket()
+    assert Path(ep.path).stat().st_mode & 0o777 == 0o600
+    assert Path(ep.lock_path).stat().st_mode & 0o777 == 0o600
+    server.close()
+    assert not Path(ep.path).exists() and not Path(ep.lock_path).exists()
+    service.server(MemoryStore())  # the endpoint is free again
+    assert service.client().lookup("r", chunk_hashes(1), 2 * CHUNK) == 0
+
+
+def test_a_link_at_the_lock_path_is_never_followed(service: Service, tmp_path: Path) -> None:
+    ep = Endpoint.parse(service.endpoint)
+    target = tmp_path / "elsewhere"
+    os.symlink(target, ep.lock_path)
+    with pytest.raises(ConfigError, match="link there is never followed"):
+        service.server(MemoryStore())
+    assert not target.exists()
+
+
+def test_the_run_dir_is_private_to_its_user(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh"
+    private_dir(str(fresh))
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o777)
+    private_dir(str(loose))  # ours: tightened
+    assert loose.stat().st_mode & 0o777 == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(fresh)
+    with pytest.raises(ConfigError, match="not a folder"):
+        private_dir(str(link))
+    if os.getuid() == 0:  # only root can give a folder away to test this
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 12345, 12345)
+        with pytest.raises(ConfigError, match="belongs to uid 12345"):
+            private_dir(str(theirs))
 
 
 def test_a_live_server_keeps_its_endpoint(service: Service) -> None:

@@ -41,6 +41,7 @@ thread alone uses the ZMQ socket. The store must accept calls from that thread
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -155,6 +156,8 @@ class LookupServer:
             if exc.errno == zmq.EADDRINUSE:
                 raise LookupEndpointInUse(f"{self.endpoint.url} is in use: {exc}") from None
             raise ConfigError(f"cannot bind lookup endpoint {self.endpoint.url}: {exc}") from None
+        if self.endpoint.kind == "ipc":
+            os.chmod(self.endpoint.path, 0o600)  # only this user may ask or reset
         self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ctx, self._wake, self._lock = ctx, wake, lock
         self._thread = threading.Thread(

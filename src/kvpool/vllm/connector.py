@@ -178,10 +178,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         events: bool,
     ) -> SchedulerSide:
         from kvpool.lookup.client import LookupClient
+        from kvpool.lookup.endpoint import private_dir
         from kvpool.lookup.server import LookupServer
 
         run_dir = settings.run_dir or os.path.join(tempfile.gettempdir(), f"kvpool-{os.getuid()}")
-        os.makedirs(run_dir, exist_ok=True)
+        private_dir(run_dir)
         instance = settings.instance or identity.space.fingerprint[:12]
         endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
         store = open_store(settings.store, pool)

@@ -346,8 +346,15 @@ class _Process:
     def send(self, sig: signal.Signals) -> None:
         if not self.running():  # for file PIDs: re-verified right before signalling
             return
-        with contextlib.suppress(ProcessLookupError):
+        try:
             os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise KVPoolError(
+                f"cannot stop the pool's {self.role} (pid {self.pid}): it belongs to another "
+                "user; stop it as that user"
+            ) from None
 
     def wait_gone(self, timeout: float) -> bool:
         if self.popen is not None:
@@ -802,7 +809,16 @@ class LocalPool:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.pool_file_data(), indent=2) + "\n")
+        data = (json.dumps(self.pool_file_data(), indent=2) + "\n").encode()
+        # A new file only: never through a link (or a file) someone put at that name.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileExistsError:
+            tmp.unlink()  # a leftover of ours (same pid) or a planted link: removed, not followed
+            fd = os.open(tmp, flags, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
         self.pool_file = path
         return path

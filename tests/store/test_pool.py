@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.config import load_config
-from kvpool.errors import ConfigError, StoreMissingDependency, StoreUnavailable
+from kvpool.errors import ConfigError, KVPoolError, StoreMissingDependency, StoreUnavailable
 from kvpool.pool import (
     HOLDER_BINARY,
     MASTER_BINARY,
@@ -143,6 +144,40 @@ def test_pool_file_round_trip(local_pool: LocalPool, tmp_path: Path) -> None:
 
     attached.stop()  # signals the verified PIDs; the fixture then reaps them
     assert _wait_until(lambda: not local_pool.is_alive())
+
+
+def test_the_pool_file_is_never_written_through_a_planted_link(
+    local_pool: LocalPool, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    path = tmp_path / "pool.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.symlink_to(victim)  # planted where the temporary file goes
+    local_pool.write_pool_file(path)
+    assert victim.read_text() == "keep me"
+    assert json.loads(path.read_text())["master_pid"] == local_pool.master_pid
+    assert not path.is_symlink() and not tmp.exists()
+
+
+def test_stopping_another_users_pool_says_so_in_one_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvpool import pool as pool_module
+
+    def refuse(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        handle = pool_module._Process("holder", "sleep", proc.pid, "", popen=proc)
+        monkeypatch.setattr(os, "kill", refuse)
+        with pytest.raises(KVPoolError, match="belongs to another user"):
+            handle.send(signal.SIGTERM)
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait()
 
 
 def test_stale_pool_file(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ restarted server, or another replica, sees again). Per phase: TTFT p50 and p90,
 request throughput, and the prompt tokens found in vLLM's local prefix cache
 and in the pool (vLLM's ``prefix_cache`` and ``external_prefix_cache``
 counters over the phase). A warm phase with no pool hits is reported as "no
-hits", never as a speedup.
+hits", never as a speedup; otherwise the verdict is the connector's cold TTFT
+p50 over its warm one (one server configuration: the same prefill speed).
 """
 
 from __future__ import annotations
@@ -106,21 +107,18 @@ class ServeBench:
     runs: tuple[ServeRun, ...]
     restart_s: dict[str, float] = field(default_factory=dict)  # server start, per connector
 
-    def baseline(self) -> ServeRun | None:
-        return next((r for r in self.runs if r.name == "none"), None)
-
     def verdict(self, run: ServeRun) -> str:
-        """Warm TTFT p50 of no connector over this run's, or why there is none."""
+        """The run's cold TTFT p50 over its warm one (the same server settings, so the
+        same prefill speed), or why there is none."""
         if run.name == "none":
             return "baseline"
         if run.warm.failed or not run.warm.completed:
             return "failed requests"
         if run.warm.pool_hit_tokens == 0:
             return "no hits"
-        base = self.baseline()
-        if base is None or not run.warm.ttft_p50_ms:
+        if not run.warm.ttft_p50_ms:
             return "-"
-        return f"{base.warm.ttft_p50_ms / run.warm.ttft_p50_ms:.1f}x"
+        return f"{run.cold.ttft_p50_ms / run.warm.ttft_p50_ms:.1f}x"
 
 
 def read_bench_result(path: str | Path) -> dict[str, float]:

@@ -41,7 +41,7 @@ def serve_bench_table(result: ServeBench) -> Table:
     )
     for name in ("connector", "phase", "TTFT p50", "p90", "req/s", "local hits", "pool hits"):
         t.add_column(name, justify="left" if name in ("connector", "phase") else "right")
-    t.add_column("warm vs none")
+    t.add_column("cold/warm")
     for run in result.runs:
         for phase, p in (("cold", run.cold), ("warm", run.warm)):
             queried = max(p.queried_tokens, 1)
@@ -59,7 +59,7 @@ def serve_bench_table(result: ServeBench) -> Table:
         "TTFT in ms (p50, p90 over the phase's requests); hits: prompt tokens found in the "
         "server's own prefix cache and through the connector, of those looked up; warm: the "
         "same prompts after a restart of the whole server (local caches empty, the pool kept); "
-        "warm vs none: no connector's warm TTFT p50 over this one's"
+        "cold/warm: the connector's cold TTFT p50 over its warm one"
     )
     return t
 

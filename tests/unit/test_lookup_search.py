@@ -91,3 +91,13 @@ def test_a_probe_that_miscounts_is_an_error() -> None:
         find_prefix(10, 1, lambda chunks: [True])
     with pytest.raises(ValueError, match="bad search shape"):
         plan_rounds(10, 0)
+
+
+@given(st.lists(st.booleans(), max_size=3000), widths)
+def test_exact_search_is_one_round_over_every_chunk_and_the_true_prefix(
+    present: list[bool], per_chunk: int
+) -> None:
+    pool = Pool(present)
+    true_prefix = next((i for i, ok in enumerate(present) if not ok), len(present))
+    assert find_prefix(len(present), per_chunk, pool, exact=True) == true_prefix
+    assert pool.rounds == ([list(range(len(present)))] if present else [])

@@ -341,6 +341,34 @@ def test_a_long_prompt_stops_at_a_probed_hole_and_reports_an_unreadable_bound(
     assert client.stats.misses == {"store_unavailable": 1}
 
 
+def test_an_exact_server_probes_every_chunk_of_a_long_prompt_at_once(service: Service) -> None:
+    n = 2047
+    space = space_of(MLA_DCP)
+    store = HoleyStore()
+    service.server(store, MLA_DCP, space, exact=True)
+    client = service.client()
+    hashes = chunk_hashes(n)
+    put_chunks(store, MLA_DCP, space, hashes)
+    store.holes = set(read_keys(MLA_DCP, space, hashes[1001]))  # one hole, between probes
+    assert client.lookup("r", hashes, n * CHUNK + 1) == 1001 * CHUNK
+    assert store.calls == [n * 2]  # one call, every key
+
+
+class ShortStore(MemoryStore):
+    def batch_exists(self, keys: Sequence[str]) -> list[Status]:
+        return super().batch_exists(keys)[:-1]  # a store bug: one answer short
+
+
+def test_a_store_that_answers_short_is_an_internal_error(service: Service) -> None:
+    store = ShortStore()
+    space = space_of(MLA_DCP)
+    service.server(store, MLA_DCP, space)
+    put_chunks(store, MLA_DCP, space, chunk_hashes(4))
+    client = service.client()
+    assert client.lookup("r", chunk_hashes(4), 4 * CHUNK + 1) == 0
+    assert client.stats.misses == {"internal": 1}
+
+
 def test_suppression_cuts_a_long_prompt_before_the_chunk(service: Service) -> None:
     n = 2047
     space = space_of(MLA_DCP)
@@ -746,7 +774,7 @@ def test_a_link_at_the_lock_path_is_never_followed(service: Service, tmp_path: P
 
 
 def test_the_run_dir_is_private_to_its_user(tmp_path: Path) -> None:
-    fresh = tmp_path / "fresh"
+    fresh = tmp_path / "new" / "fresh"  # its parent is made too
     private_dir(str(fresh))
     assert fresh.stat().st_mode & 0o777 == 0o700
     loose = tmp_path / "loose"

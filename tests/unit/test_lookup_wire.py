@@ -157,6 +157,8 @@ def test_packing_keeps_hashes_in_order_and_refuses_what_cannot_be_packed() -> No
     assert [msg.hash(i) for i in range(msg.count)] == hashes
     with pytest.raises(ValueError, match="different lengths"):
         wire.PackedLookup.pack(1, "r", [b"ab", b"abc"], 100)
+    with pytest.raises(ValueError, match="different lengths"):  # totals that add up
+        wire.PackedLookup.pack(1, "r", [b"ab", b"abc", b"a"], 100)
     with pytest.raises(ValueError, match="1 to 64 bytes"):
         wire.PackedLookup.pack(1, "r", [b"x" * 65], 100)
 

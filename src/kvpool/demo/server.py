@@ -1,6 +1,6 @@
 """A real ``vllm serve`` process with kvpool: start it, ask it, stop it.
 
-    VllmServer(model, folder, port, extra_args, pool_file, name)
+    VllmServer(model, folder, port, extra_args, name=..., env=...)
     server.start(timeout_s)    launch ``vllm serve`` (the OpenAI server with the
                                multiprocess engine core) and return once ``/health``
                                answers; ``ServerFailed`` with the log tail if the

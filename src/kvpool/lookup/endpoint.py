@@ -179,7 +179,9 @@ def private_dir(path: str) -> str:
     """``path`` as a folder only this user can enter: made 0700 if missing, its mode
     tightened if it is ours, ``ConfigError`` if it is a link, not a folder, or
     another user's (who could swap sockets or send resets there)."""
+    parent = os.path.dirname(os.path.abspath(path))
     try:
+        os.makedirs(parent, exist_ok=True)  # parents as before; only the last is private
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass

@@ -22,8 +22,10 @@ prompt's chunks in order). Otherwise, for any presence: every probed chunk
 below ``h`` is present, chunk ``h`` was probed and is absent (or ``h == n``),
 and ``h`` is at least the true prefix. A hole between probes (an evicted
 object, a lost holder) is then found by the load, which fails for those
-blocks: vLLM recomputes them and the lookup server suppresses the keys, so it
-costs a miss, never a wrong byte.
+blocks: vLLM recomputes them (with ``kv_load_failure_policy: recompute``) and
+the scheduler keeps the chunk out of lookups for a while, so it costs a miss,
+never a wrong byte. Where a failed load fails the request instead (policy
+``fail``), ``exact=True`` probes every chunk in one round.
 
 Pure: no I/O; ``probe`` is the caller's.
 """
@@ -84,18 +86,23 @@ def _round_probes(lo: int, hi: int, fan: int) -> list[int]:
 
 
 def find_prefix(
-    n: int, per_chunk: int, probe: Probe, round_cost_keys: int = ROUND_COST_KEYS
+    n: int,
+    per_chunk: int,
+    probe: Probe,
+    round_cost_keys: int = ROUND_COST_KEYS,
+    exact: bool = False,
 ) -> int:
     """The number of leading chunks of ``0..n-1`` taken as present.
 
     ``probe(chunks)`` answers, per chunk index (ascending), whether every key of
     that chunk is present; it is called at most ``plan_rounds(n, ...)[0]`` times
-    and never with an empty list. See the module docstring for what the answer
-    promises when the present chunks are not a prefix.
+    (once with ``exact``: every chunk in one round) and never with an empty
+    list. See the module docstring for what the answer promises when the
+    present chunks are not a prefix; with ``exact`` it is the true prefix.
     """
     if n <= 0:
         return 0
-    _, fan = plan_rounds(n, per_chunk, round_cost_keys)
+    fan = n if exact else plan_rounds(n, per_chunk, round_cost_keys)[1]
     lo, hi = 0, n  # chunks below lo are taken as present; hi is absent (or n)
     while lo < hi:
         chunks = _round_probes(lo, hi, fan)

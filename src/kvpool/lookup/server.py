@@ -103,6 +103,7 @@ class LookupServer:
         *,
         max_frame_bytes: int = wire.MAX_FRAME_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        exact: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -112,6 +113,7 @@ class LookupServer:
         self.space = space
         self.chunk_size = chunk_size
         self.max_frame_bytes = max_frame_bytes
+        self.exact = exact  # probe every chunk (a failed load would fail the request)
         self.stats = ServerStats()
         self._clock = clock
         self._templates = _key_templates(layout, space)
@@ -149,15 +151,15 @@ class LookupServer:
             wake = ctx.socket(zmq.PAIR)
             wake.connect(wake_url)
             sock.bind(self.endpoint.bind_url)
-        except zmq.ZMQError as exc:
+            if self.endpoint.kind == "ipc":
+                os.chmod(self.endpoint.path, 0o600)  # only this user may ask or reset
+        except (zmq.ZMQError, OSError) as exc:
             ctx.destroy(linger=0)
             if lock is not None:
                 lock.release()
-            if exc.errno == zmq.EADDRINUSE:
+            if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.EADDRINUSE:
                 raise LookupEndpointInUse(f"{self.endpoint.url} is in use: {exc}") from None
             raise ConfigError(f"cannot bind lookup endpoint {self.endpoint.url}: {exc}") from None
-        if self.endpoint.kind == "ipc":
-            os.chmod(self.endpoint.path, 0o600)  # only this user may ask or reset
         self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ctx, self._wake, self._lock = ctx, wake, lock
         self._thread = threading.Thread(
@@ -279,6 +281,8 @@ class LookupServer:
             nonlocal probed, bound
             keys = self._keys([hash_of(i) for i in chunks])
             statuses = self.store.batch_exists(keys)
+            if len(statuses) != len(keys):  # a store bug: answered as INTERNAL
+                raise RuntimeError(f"the store answered {len(statuses)} of {len(keys)} keys")
             probed += len(keys)
             self.stats.store_calls += 1
             present = [
@@ -295,7 +299,7 @@ class LookupServer:
                 )
             return present
 
-        hit = find_prefix(usable, per_chunk, probe)
+        hit = find_prefix(usable, per_chunk, probe, exact=self.exact)
         self.stats.keys_probed += probed
         if hit < usable and bound is not Status.MISSING:
             return wire.ErrorReply(

@@ -137,11 +137,12 @@ class PackedLookup(_Message, frozen=True, tag="lookup.2"):
     @classmethod
     def pack(cls, seq: int, req_id: str, hashes: Sequence[bytes], num_tokens: int) -> PackedLookup:
         """Pack ``hashes`` (all of one length). Raises ``ValueError`` when their
-        lengths differ (as far as their total shows) or are out of bounds."""
-        width = len(hashes[0]) if hashes else 1
-        blob = b"".join(hashes)
-        if len(blob) != width * len(hashes):
+        lengths differ or are out of bounds."""
+        widths = set(map(len, hashes))  # one pass in C: ~0.1 ms for 2k hashes
+        if len(widths) > 1:
             raise ValueError("chunk hashes of different lengths cannot be packed")
+        width = widths.pop() if widths else 1
+        blob = b"".join(hashes)
         if not 1 <= width <= MAX_HASH_BYTES or len(hashes) > MAX_CHUNK_HASHES:
             raise ValueError(
                 f"{len(hashes)} chunk hashes of {width} bytes: at most {MAX_CHUNK_HASHES} "

@@ -166,8 +166,8 @@ class Status(enum.Enum):
     UNAVAILABLE = "unavailable"  # the store cannot serve requests (closed, master gone)
     INVALID = "invalid"  # the request itself is malformed (a caller bug)
     CORRUPT = "corrupt"  # get: header, checksum or size does not match the request
-    # get: a whole object written under other settings (another header format, or
-    # without the checksum this reader requires): not damaged, so left in place
+    # get: a whole object written by a healthy writer without the checksum this
+    # reader requires: not damaged, so left in place
     MISMATCH = "mismatch"
     TIMED_OUT = "timed_out"  # no answer within the caller's deadline (e.g. a frozen holder)
     # Not attempted: the caller refused it locally (its staging or queue was

@@ -133,7 +133,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._closers: list[Any] = []
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class checked it
-        if getattr(transfer, "kv_load_failure_policy", "fail") == "fail":
+        self._failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+        if self._failure_policy == "fail":
             logger.warning(
                 "kvpool: kv_load_failure_policy is 'fail', so a pool fault fails requests; "
                 'set "kv_load_failure_policy": "recompute" to recompute instead'
@@ -187,7 +188,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
         store = open_store(settings.store, pool)
         self._closers.append(store.close)
-        server = LookupServer(endpoint, store, identity.layout, identity.space, identity.chunk_size)
+        # A failed load fails the request under policy "fail": no chunk may be taken
+        # as present unprobed then (see kvpool.lookup.search).
+        exact = self._failure_policy == "fail"
+        server = LookupServer(
+            endpoint, store, identity.layout, identity.space, identity.chunk_size, exact=exact
+        )
         server.start()
         self._closers.insert(0, server.close)
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)

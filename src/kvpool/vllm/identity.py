@@ -86,6 +86,9 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
     if not groups:
         raise UnsupportedEngine("the model has no KV cache groups")
     check_shared_hashes(str(getattr(cache, "prefix_caching_hash_algo", "sha256")))
+    device = _device_type()
+    if device != "cpu":  # the copies are host memmoves (the worker refuses such tensors too)
+        raise UnsupportedEngine(f"KV caches on {device}: kvpool moves host memory only so far")
     block_size = int(cache.block_size)
     for g in kv_cache_config.kv_cache_groups:
         if int(g.kv_cache_spec.block_size) != block_size:

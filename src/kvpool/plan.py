@@ -5,8 +5,6 @@
     probe_keys(layout, space, hs) -> per chunk, the keys a lookup must find (every
                                      distinct content of every group: exactly the
                                      keys that the ranks will read)
-    hit_chunks(present, per_chunk)-> length of the prefix of chunks whose keys are
-                                     all present
     reference_totals(layout)      -> Totals under vLLM's in-tree connector rule
                                      (de-dup switched off whenever dcp > 1)
     chunk_hashes(n)               -> n chained synthetic chunk hashes
@@ -31,7 +29,6 @@ __all__ = [
     "Totals",
     "build_plan",
     "chunk_hashes",
-    "hit_chunks",
     "probe_keys",
     "reference_totals",
 ]
@@ -103,19 +100,6 @@ def probe_keys(
     of every group. These are exactly the keys the ranks read (``Layout.content``)."""
     contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
     return [tuple(space.key(c, h) for c in contents) for h in hashes]
-
-
-def hit_chunks(present: Sequence[bool], per_chunk: int) -> int:
-    """Chunks in the longest prefix whose ``per_chunk`` keys are all present.
-
-    ``present`` is the flattened answer for ``probe_keys`` (chunk-major).
-    """
-    if per_chunk < 1 or len(present) % per_chunk:
-        raise ValueError("present must hold per_chunk answers for every chunk")
-    for i in range(len(present) // per_chunk):
-        if not all(present[i * per_chunk : (i + 1) * per_chunk]):
-            return i
-    return len(present) // per_chunk
 
 
 def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:

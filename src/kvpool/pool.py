@@ -89,6 +89,7 @@ __all__ = [
     "PoolStatus",
     "completed_puts",
     "find_binary",
+    "free_ports",
     "is_mooncake_process",
     "master_keys",
     "master_metrics",
@@ -393,7 +394,7 @@ class _Process:
         return "\n".join(tail) if tail else "(log is empty)"
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """``n`` distinct free loopback ports (all held open together while picking)."""
     socks: list[socket.socket] = []
     try:
@@ -568,7 +569,7 @@ class LocalPool:
 
     def _start_master(self, timeout_s: float, ports: tuple[int, int] | None = None) -> None:
         for attempt in range(1, _START_ATTEMPTS + 1):
-            rpc_port, metrics_port = ports or _free_ports(2)
+            rpc_port, metrics_port = ports or free_ports(2)
             args = [
                 f"--rpc_address={LOOPBACK}",
                 f"--rpc_port={rpc_port}",
@@ -613,7 +614,7 @@ class LocalPool:
         port = _split_address(self.holder_address)[1] if self.holder_address else 0
         for attempt in range(1, _START_ATTEMPTS + 1):
             if not port or not _port_free(port):
-                port = _free_ports(1)[0]
+                port = free_ports(1)[0]
             args = [
                 f"--host={LOOPBACK}",
                 f"--port={port}",

@@ -33,7 +33,14 @@ from kvpool.bench.engines import BLOCK, mooncake_env
 from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.server import VllmServer, kv_transfer_config, vllm_command
 from kvpool.demo.tiny_model import build_shaped_llama
-from kvpool.pool import LocalPool, completed_puts, master_metrics, parse_metrics, wait_until
+from kvpool.pool import (
+    LocalPool,
+    completed_puts,
+    free_ports,
+    master_metrics,
+    parse_metrics,
+    wait_until,
+)
 
 __all__ = [
     "CONNECTORS",
@@ -246,7 +253,9 @@ def run_serve_bench(
                 env = mooncake_env(workdir, cfg.master_address)
             phases = []
             for phase in ("cold", "warm"):
-                server = VllmServer(model, workdir, _port(), args, name=f"{name}-{phase}", env=env)
+                server = VllmServer(
+                    model, workdir, free_ports(1)[0], args, name=f"{name}-{phase}", env=env
+                )
                 t0 = time.monotonic()
                 try:
                     server.start(timeout_s=600)
@@ -267,11 +276,3 @@ def run_serve_bench(
     finally:
         pool.stop()
     return ServeBench(shape, workload, tuple(runs), starts)
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

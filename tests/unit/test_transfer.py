@@ -489,7 +489,12 @@ def test_saves_and_staged_loads_move_in_pieces_bit_exact(store: KVStore) -> None
     assert len(puts) > 3 and sum(puts) == len(chunks)
     dst_a, dst_b = cpu_layers(2), mla_layers(1)
     r = TransferEngine(
-        counting, [dst_a, dst_b], NB, staging_bytes=16 << 20, load_mode="staged", piece_bytes=piece
+        counting,
+        [dst_a, dst_b],
+        NB,
+        staging_bytes=16 << 20,
+        load_mode="staged",
+        load_piece_bytes=piece,
     )
     r.submit_load("l", chunks)
     (res,) = r.wait(["l"], timeout=30)
@@ -533,7 +538,7 @@ def test_a_failed_chunk_in_a_middle_piece_stops_the_copy_there(store: KVStore) -
     piece = 2 * _object_bytes(cpu_layers(2), 2)  # pieces of chunks 0-1, 2-3, 4-5, 6-7
 
     def make(layers: list[tuple[str, torch.Tensor]], **kw: Any) -> TransferEngine:
-        return engine(store, layers, piece_bytes=piece, **kw)
+        return engine(store, layers, piece_bytes=piece, load_piece_bytes=piece, **kw)
 
     res, src, dst, r = _load_with_one_chunk_removed(store, chunks, "m3", make, 13)
     assert res.invalid_block_ids == frozenset(range(6, 16))

@@ -514,10 +514,8 @@ def _bench_size(
             get = _split(raw_dst.segments(dst_ids))
             tag = uuid.uuid4().hex[:12]
             order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-            all_keys: list[str] = []
             for name in order:
                 keys = [f"kvpool-bench/transfer/{tag}/{name}/{i}" for i in range(objects)]
-                all_keys += keys
                 t = times[name]
                 way = ways.get(name)
                 pair = (raw_src, raw_dst) if way is None else (way.src, way.dst)
@@ -539,13 +537,16 @@ def _bench_size(
                     if t_submit is not None:
                         t.submit.append(t_submit)
                 t.failures += int(objects - ok.sum())
+                # Each variant's objects go before the next one writes: the holder
+                # need hold one variant's bytes, not all five (at real KV sizes
+                # the later variants' puts otherwise met a full pool).
+                removed = raw_store.batch_remove(keys, force=True)
+                if Status.UNAVAILABLE in removed:
+                    raise StoreError(f"the pool at {config.master_address} stopped answering")
             start = time.perf_counter()
             np.copyto(copy_dst, src.bytes)
             if rep:
                 copies.append(time.perf_counter() - start)
-            removed = raw_store.batch_remove(all_keys, force=True)
-            if Status.UNAVAILABLE in removed:
-                raise StoreError(f"the pool at {config.master_address} stopped answering")
             tick()
     return SizeResult(
         path=path,

@@ -10,10 +10,11 @@ The contract is ``TransferEngine``'s (``kvpool.transfer.engine``).
 """
 
 from kvpool.transfer.arena import StagingArena
-from kvpool.transfer.engine import PIECE_BYTES, TransferEngine
+from kvpool.transfer.engine import LOAD_PIECE_BYTES, PIECE_BYTES, TransferEngine
 from kvpool.transfer.records import ChunkRef, JobResult, TransferStats
 
 __all__ = [
+    "LOAD_PIECE_BYTES",
     "PIECE_BYTES",
     "ChunkRef",
     "JobResult",

@@ -82,11 +82,14 @@ from kvpool.transfer.loads import Loads
 from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece, TransferStats
 from kvpool.transfer.saves import Saves
 
-__all__ = ["PIECE_BYTES", "TransferEngine"]
+__all__ = ["LOAD_PIECE_BYTES", "PIECE_BYTES", "TransferEngine"]
 
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20  # Mooncake pays ~0.4 ms per batch call: pieces stay large
+# A staged load's piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB (fewer
+# batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
+LOAD_PIECE_BYTES = 32 << 20
 
 
 class TransferEngine:
@@ -106,12 +109,13 @@ class TransferEngine:
         backoff_s: tuple[float, float] = (1.0, 30.0),
         load_timeout_s: float | None = None,
         piece_bytes: int = PIECE_BYTES,
+        load_piece_bytes: int = LOAD_PIECE_BYTES,
         zero_copy: bool = False,
         blocks_per_object: int = 1,
         save_wait_s: float = 1.0,
     ) -> None:
-        if piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be >= 1, got {piece_bytes}")
+        if min(piece_bytes, load_piece_bytes) < 1:
+            raise ValueError(f"piece sizes must be >= 1, got {piece_bytes}, {load_piece_bytes}")
         self.store = store
         self.groups: list[GroupKV] = [describe_group(g, num_blocks) for g in groups]
         self.zero_copy = zero_copy
@@ -150,9 +154,9 @@ class TransferEngine:
             pieces.check_fits(largest, load_bytes, "loads")
         n = len(self.groups)
         save_budget = pieces.piece_budget(piece_bytes, save_bytes, n)
-        load_budget = pieces.piece_budget(piece_bytes, load_bytes, n)
+        load_budget = pieces.piece_budget(load_piece_bytes, load_bytes, n)
         if zero_copy:  # no staging: pieces only bound the size of one store call
-            save_budget = load_budget = piece_bytes
+            save_budget, load_budget = piece_bytes, load_piece_bytes
         self._copier = KVCopier(self.groups, groups, staging)
         self._core = Core(store, self.groups, self._copier, int(staging.data_ptr()), known_keys)
         self._save_arena = StagingArena(save_bytes)

@@ -4,6 +4,9 @@
         -> EngineIdentity: the Layout (sizes, KV groups and their kinds), the
            KeySpace (model + config fingerprint), block and chunk size, DP index;
            or UnsupportedEngine with the reason
+    byte_fields(model_config, cache_config)  the settings beyond sizes and dtypes
+                         that change KV bytes (HF config with overrides, weights,
+                         quantisation, cache dtypes), for the fingerprint
     worker_rank(layout)  this worker's rank in the layout, from vLLM's process
                          groups (TP, PP, PCP, DCP); checks the group construction
     check_shared_hashes(algo, env)  UnsupportedEngine if block hashes are random
@@ -16,6 +19,8 @@ so agree on every key. DP identity is ``parallel_config.data_parallel_index``
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +29,7 @@ from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
-__all__ = ["EngineIdentity", "UnsupportedEngine", "engine_identity", "worker_rank"]
+__all__ = ["EngineIdentity", "UnsupportedEngine", "byte_fields", "engine_identity", "worker_rank"]
 
 
 class UnsupportedEngine(KVPoolError):
@@ -124,14 +129,58 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
         num_layers=int(model.get_total_num_hidden_layers()),
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
         hash_seed=os.environ.get("PYTHONHASHSEED", ""),
-        extra={
-            "block_size": block_size,
-            "revision": str(getattr(model, "revision", None) or ""),
-            "quantization": str(getattr(model, "quantization", None) or ""),
-            "device": _device_type(),
-        },
+        extra={"block_size": block_size, "device": device, **byte_fields(model, cache)},
     )
     return EngineIdentity(layout, space, block_size, chunk, layout.dp_index)
+
+
+# hf_config keys that never change KV bytes: the path (``model`` is fingerprinted),
+# the library version, and output switches of transformers' forward.
+_HF_IGNORED = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "use_cache",
+    }
+)
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def byte_fields(model: Any, cache: Any) -> dict[str, str]:
+    """The engine settings beyond layout, dtypes and sizes that change KV bytes.
+
+    The model's whole HF config (as vLLM resolved it, ``--hf-overrides`` applied:
+    rope scaling, sliding windows, head counts ...), the weights (``model_weights``,
+    revisions), quantisation, and the cache settings that change what a layer
+    stores (KV dtype skips, Mamba state dtypes, KV layout, sliding window). Not
+    vLLM's ``ModelConfig.compute_hash``: it ignores ``hf_overrides`` and covers
+    fields that change no KV byte (``max_model_len``, ``max_logprobs``), which
+    would split a pool between engines that can share it.
+    """
+    hf = getattr(model, "hf_config", None)
+    hf_dict = hf.to_dict() if hf is not None and hasattr(hf, "to_dict") else {}
+    fields = {
+        "hf_config": _digest({k: v for k, v in hf_dict.items() if k not in _HF_IGNORED}),
+        "model_weights": getattr(model, "model_weights", None),
+        "revision": getattr(model, "revision", None),
+        "code_revision": getattr(model, "code_revision", None),
+        "quantization": getattr(model, "quantization", None),
+        "quantization_config": _digest(getattr(model, "quantization_config", None)),
+        "disable_sliding_window": getattr(model, "disable_sliding_window", None),
+        "sliding_window": getattr(cache, "sliding_window", None),
+        "kv_cache_dtype_skip_layers": _digest(getattr(cache, "kv_cache_dtype_skip_layers", None)),
+        "mamba_cache_dtype": getattr(cache, "mamba_cache_dtype", None),
+        "mamba_ssm_cache_dtype": getattr(cache, "mamba_ssm_cache_dtype", None),
+        "kv_cache_layout": getattr(cache, "kv_cache_layout", None),
+    }
+    return {k: "" if v is None else str(v) for k, v in fields.items()}
 
 
 def _device_type() -> str:

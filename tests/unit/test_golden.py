@@ -1,0 +1,64 @@
+"""Golden samples of what the pool stores: a key, a config fingerprint and an object
+header for one fixed config. A change to any of them turns every object in every
+pool into a miss: if one of these fails, the change must be a decision (bump
+``SCHEMA_VERSION`` or ``OBJECT_FORMAT`` and say why in the commit), never an
+accident of a refactoring."""
+
+from __future__ import annotations
+
+from kvpool import header
+from kvpool.keys import KeySpace
+from kvpool.layout import GroupKind, GroupSpec, Layout
+
+FINGERPRINT = "f966b65e087a20ef"
+KEY = (
+    "kvpool/1/meta-llama/Llama-3.1-8B/f966b65e087a20ef/g0.h1.d0.c0.p0/"
+    "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+)
+HEADER_WITH_CHECKSUM = (
+    "4b56504c02000100f966b65e087a20efbc2a5ba7fc1ee13f0000400000000000"
+    "efcdab8967452301000000000000000000000000000000000000000000000000"
+)
+HEADER_WITHOUT_CHECKSUM = (
+    "4b56504c02000000f966b65e087a20efbc2a5ba7fc1ee13f0000400000000000"
+    "0000000000000000000000000000000000000000000000000000000000000000"
+)
+
+
+def _space() -> tuple[Layout, KeySpace]:
+    layout = Layout.create(tp=2, pp=1, pcp=1, dcp=1, groups=[GroupSpec(GroupKind.GQA, 8)])
+    space = KeySpace.create(
+        model="meta-llama/Llama-3.1-8B",
+        layout=layout,
+        kv_dtype="bfloat16",
+        model_dtype="bfloat16",
+        chunk_size=32,
+        head_size=128,
+        num_layers=32,
+        hash_algo="sha256",
+        hash_seed="",
+        extra={"block_size": 32, "device": "cpu"},
+    )
+    return layout, space
+
+
+def test_the_fingerprint_of_a_fixed_config() -> None:
+    assert _space()[1].fingerprint == FINGERPRINT
+
+
+def test_the_key_of_a_fixed_chunk() -> None:
+    layout, space = _space()
+    assert space.key(layout.content(1, 0), bytes(range(32))) == KEY
+
+
+def test_the_header_of_a_fixed_object() -> None:
+    fp = header.fingerprint_bytes(FINGERPRINT)
+    assert header.pack(fp, KEY, 4 << 20, 0x0123456789ABCDEF).hex() == HEADER_WITH_CHECKSUM
+    assert header.pack(fp, KEY, 4 << 20).hex() == HEADER_WITHOUT_CHECKSUM
+
+
+def test_the_stored_header_still_reads() -> None:
+    got = header.unpack(bytes.fromhex(HEADER_WITH_CHECKSUM))
+    assert got.payload_len == 4 << 20
+    assert got.checksum == 0x0123456789ABCDEF
+    assert header.check(got, header.fingerprint_bytes(FINGERPRINT), KEY, 4 << 20, None) is None

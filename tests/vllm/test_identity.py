@@ -1,0 +1,93 @@
+"""The config fingerprint on vLLM's real configs: every setting that changes KV bytes
+changes it; settings that change no KV byte leave it alone (engines keep sharing)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+from kvpool.vllm.identity import engine_identity
+
+BLOCK = 32
+
+
+def _config(model: Path, **args: Any) -> Any:
+    return EngineArgs(model=str(model), block_size=BLOCK, **args).create_engine_config()
+
+
+def _kv_config(vllm_config: Any) -> KVCacheConfig:
+    m = vllm_config.model_config
+    spec = FullAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=m.get_total_num_kv_heads(),
+        head_size=m.get_head_size(),
+        dtype=torch.bfloat16,
+    )
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(m.get_total_num_hidden_layers())]
+    return KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
+
+
+def _fingerprint(vllm_config: Any) -> str:
+    return engine_identity(vllm_config, _kv_config(vllm_config)).space.fingerprint
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path) -> Any:
+    return _config(tiny_model)
+
+
+def test_settings_that_change_no_kv_byte_keep_the_fingerprint(base: Any, tiny_model: Path) -> None:
+    other = _config(tiny_model, max_model_len=1024, seed=7, enforce_eager=True, max_logprobs=3)
+    assert _fingerprint(other) == _fingerprint(base)
+
+
+def test_hf_overrides_change_the_fingerprint(base: Any, tiny_model: Path) -> None:
+    rope = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    scaled = _config(tiny_model, hf_overrides=rope)
+    assert _fingerprint(scaled) != _fingerprint(base)
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "value"),
+    [
+        ("model_config", "model_weights", "/weights/another-checkpoint"),
+        ("model_config", "revision", "0123abcd"),
+        ("model_config", "code_revision", "0123abcd"),
+        ("model_config", "quantization", "fp8"),
+        ("model_config", "quantization_config", {"quant_method": "fp8", "group_size": 128}),
+        ("model_config", "disable_sliding_window", True),
+        ("cache_config", "kv_cache_dtype_skip_layers", ["0"]),
+        ("cache_config", "mamba_cache_dtype", "float32"),
+        ("cache_config", "mamba_ssm_cache_dtype", "float32"),
+        ("cache_config", "kv_cache_layout", "HND"),
+        ("cache_config", "sliding_window", 64),
+    ],
+)
+def test_each_byte_changing_setting_changes_the_fingerprint(
+    base: Any, part: str, field: str, value: Any
+) -> None:
+    changed = copy.copy(base)
+    section = copy.copy(getattr(base, part))
+    object.__setattr__(section, field, value)
+    object.__setattr__(changed, part, section)
+    assert _fingerprint(changed) != _fingerprint(base), field
+
+
+def test_the_model_config_hf_dict_is_what_vllm_resolved(base: Any) -> None:
+    """A layer count or head size override reaches the fingerprint through the HF
+    config too (belt and braces: both are fingerprinted on their own as well)."""
+    changed = copy.copy(base)
+    model = copy.copy(base.model_config)
+    hf = copy.deepcopy(model.hf_config)
+    hf.rms_norm_eps = hf.rms_norm_eps * 2  # no size changes, only numbers
+    object.__setattr__(model, "hf_config", hf)
+    object.__setattr__(changed, "model_config", model)
+    assert _fingerprint(changed) != _fingerprint(base)

@@ -789,3 +789,32 @@ def test_zero_copy_saves_are_refused_past_a_bounded_backlog() -> None:
     assert refused.refused == "queue_full" and refused.retry
     assert e.stats().chunks_refused == {"queue_full": 1}
     e.close()
+
+
+def test_a_damaged_object_is_removed_once_leases_end_never_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader's own get leases the object: the removal waits for the lease
+    (LEASED, retried), and never forces other readers' leases away."""
+    from kvpool.pool import wait_until
+    from kvpool.store.framed import FramedStore
+    from kvpool.transfer import core
+
+    monkeypatch.setattr(core, "DISCARD_RETRY_S", (0.05, 3.2))
+    inner = MemoryStore(capacity=1 << 28, lease_s=0.5)
+    framed = FramedStore(inner, "00" * 8)
+    src = cpu_layers(1)
+    randomize(src, 6)
+    w = engine(framed, src)
+    assert w.submit_save("s", [ChunkRef("x", 0, 0, (1, 2))]) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    inner.tamper("x", 64 + 100)  # one payload byte flipped: the checksum fails
+    r = engine(framed, cpu_layers(1), load_mode="staged")
+    r.submit_load("l", [ChunkRef("x", 0, 0, (1, 2))])
+    (res,) = r.wait(["l"], timeout=30)
+    assert res.statuses["x"] is Status.CORRUPT
+    stored = inner.keys  # a listing takes no lease (exists and get do)
+    assert "x" in stored()  # our own get's lease holds it
+    assert wait_until(lambda: "x" not in stored(), timeout=10)
+    r.close()
+    framed.close()

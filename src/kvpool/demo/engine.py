@@ -217,6 +217,7 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
                 saves_refused=dict(stats.saves_refused),
                 backpressure_events=stats.backpressure_events,
                 loads_timed_out=stats.loads_timed_out,
+                chunks_discarded=stats.chunks_discarded,
             )
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
         if sched is not None:

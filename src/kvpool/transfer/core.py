@@ -10,6 +10,9 @@
     counting()          hold the counters' lock to change ``stats``
     snapshot()          a copy of the counters; ``version`` changes with them
     publish(result)     a finished job, for ``take``, ``wait_any`` and ``wait``
+    discard(keys)       remove damaged objects, never forced: one another reader
+                        (or this one's own get) holds a lease on is removed once
+                        the lease ends (retried after 1, 2, 4 ... 32 s)
 
 Thread safe: saves, loads and the caller's thread use one Core.
 """
@@ -17,6 +20,7 @@ Thread safe: saves, loads and the caller's thread use one Core.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -30,6 +34,11 @@ from kvpool.transfer.copies import KVCopier
 from kvpool.transfer.records import ChunkRef, JobResult, TransferStats
 
 __all__ = ["Core", "all_ok"]
+
+logger = logging.getLogger("kvpool.transfer.engine")
+
+DISCARD_RETRY_S = (1.0, 32.0)  # first and last wait before retrying a leased removal
+_GONE = frozenset({Status.OK, Status.MISSING})
 
 
 class Core:
@@ -124,6 +133,32 @@ class Core:
             return self.stats.copy()
 
     # -- finished jobs ---------------------------------------------------------------
+
+    def discard(self, keys: Sequence[str], wait_s: float | None = None) -> None:
+        """Remove damaged objects without force: a reader holding a lease (a get
+        takes one, ours included) keeps its bytes until it ends. Leased objects are
+        tried again after ``wait_s``, doubling, until ``DISCARD_RETRY_S[1]``; past
+        that they stay until evicted (lookups skip them meanwhile: failed chunks
+        are suppressed)."""
+        if not keys:
+            return
+        first, last = DISCARD_RETRY_S
+        wait_s = first if wait_s is None else wait_s
+        try:
+            statuses = self.store.batch_remove(list(keys), force=False)
+        except Exception:  # a bug: the object stays, it is only a miss
+            logger.exception("removing %d damaged objects failed", len(keys))
+            return
+        removed = [k for k, st in zip(keys, statuses, strict=True) if st in _GONE]
+        if removed:
+            self.forget(removed)  # a save since (a duplicate put) stored nothing
+            with self.counting():
+                self.stats.chunks_discarded += len(removed)
+        leased = [k for k, st in zip(keys, statuses, strict=True) if st is Status.LEASED]
+        if leased and wait_s <= last:
+            timer = threading.Timer(wait_s, self.discard, (leased, 2 * wait_s))
+            timer.daemon = True
+            timer.start()
 
     def publish(self, result: JobResult) -> None:
         with self._done_cond:

@@ -51,7 +51,8 @@ Guarantees:
   later chunk of the job, so the engine recomputes exactly those.
 * In staged load mode, bytes reach the KV tensors only after their header and
   checksum were verified, and never after the job was reported (TIMED_OUT).
-* A CORRUPT object (header or checksum mismatch) is removed from the pool.
+* A CORRUPT object (header or checksum mismatch) is removed from the pool, never
+  forced: once the leases of its readers (this one's get included) end.
 * NO_SPACE, TRANSFER_FAILED or UNAVAILABLE on a put switch saves into
   backpressure: further saves are refused until a growing back-off expires.
 * Nothing raises into the caller for store faults; they become statuses.

@@ -14,7 +14,8 @@ through staging, and report which blocks to recompute.
 Rules (the contract is ``kvpool.transfer.engine``'s): a result lists the blocks
 of every chunk that failed and of every later chunk; staged bytes reach the KV
 tensors only after their checks passed, only for chunks before the job's first
-failure, and never after the job was reported; a CORRUPT object is removed.
+failure, and never after the job was reported; a CORRUPT object is removed
+(``Core.discard``: never forced).
 """
 
 from __future__ import annotations
@@ -177,9 +178,9 @@ class Loads:
         core.remember(k for k, s in statuses.items() if s.ok)
         bad = [k for k, s in statuses.items() if not s.ok]
         core.forget(bad)
-        corrupt = [k for k in bad if statuses[k] is Status.CORRUPT]
-        if corrupt:  # an object that fails its checks is removed, so it misses next time
-            core.store.batch_remove(corrupt, force=True)
+        # A damaged object is removed (not forced: other readers' leases hold), so
+        # it misses next time; a MISMATCH (another config's or mode's object) stays.
+        core.discard([k for k in bad if statuses[k] is Status.CORRUPT])
         self.finish(job, statuses)
 
     # -- reporting ---------------------------------------------------------------------

@@ -85,6 +85,7 @@ class TransferStats:
     failures: Counter[str] = field(default_factory=Counter)  # status -> chunks
     backpressure_events: int = 0
     loads_timed_out: int = 0  # load jobs abandoned at their deadline
+    chunks_discarded: int = 0  # damaged objects removed (never forced)
     chunks_refused: Counter[str] = field(default_factory=Counter)  # reason -> chunks
     save_wait_s: float = 0.0  # time callers waited for save staging (pool slower than KV)
     load_s: float = 0.0  # wall time of finished load jobs, submit to finish, summed

@@ -300,6 +300,9 @@ def _holder_killed(ctx: ChaosContext, env: RowEnv) -> str:
     )
 
 
+ZERO_COPY_STALL_S = 30.0  # Mooncake's RPC timeout to a same-host holder (measured)
+
+
 def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
     timeout_s = 2.0
     # A long client TTL keeps the frozen holder's segment listed, as a master that
@@ -330,6 +333,36 @@ def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
         f"holder frozen: {stats['loads_timed_out']} load(s) abandoned at {timeout_s:.0f} s, "
         f"slowest request {slowest:.1f} s, outputs equal; thawed: {new} objects saved "
         f"within {secs:.1f} s"
+    )
+
+
+def _holder_frozen_zero_copy(ctx: ChaosContext, env: RowEnv) -> str:
+    # Zero copy: the holder itself copies between its segment and the KV cache (in
+    # its shared memory), so a load cannot be abandoned early (late bytes would land
+    # in reused blocks): Mooncake's own RPC timeout to the holder bounds it.
+    pool = env.pool(client_ttl=60)
+    ctx.seed_pool(pool)
+    f = ctx.families
+    spec = ctx.spec(pool, [f[0], f[2], f[3], f[4]], hold=True, zero_copy=True)
+    with ctx.session(spec, "holder-frozen-zero-copy") as s:
+        s.ready()
+        pool.freeze_holder()
+        try:
+            p0 = s.next_phase()
+        finally:
+            pool.thaw_holder()
+        ctx.check_outputs(p0["results"], f[0])
+        stats = p0["connector"]
+        slowest = max(r["total_s"] for r in p0["results"])
+        s.finish()
+    failed = sum((stats.get("failures") or {}).values())
+    if not failed:
+        raise RowFailed(f"no load failed while the holder was frozen ({_failures(stats)})")
+    if slowest > ZERO_COPY_STALL_S + 15:
+        raise RowFailed(f"a request took {slowest:.1f} s: no bound on zero-copy loads")
+    return (
+        f"zero copy, holder frozen: {failed} chunk load(s) failed after Mooncake's RPC "
+        f"timeout ({_failures(stats)}), slowest request {slowest:.1f} s, outputs equal"
     )
 
 
@@ -648,6 +681,13 @@ ROWS: list[Row] = [
         "holder (mooncake_client) killed before loads",
         "failed loads recomputed; saves land on a new holder",
         _holder_killed,
+        1,
+    ),
+    Row(
+        "holder-frozen-zero-copy",
+        "holder cut off (SIGSTOP), zero_copy on",
+        "loads fail at Mooncake's RPC timeout (~30 s), recomputed",
+        _holder_frozen_zero_copy,
         1,
     ),
     Row(

@@ -30,8 +30,10 @@ from kvpool.errors import ConfigError, PoolNotFound
 __all__ = [
     "ENV_PREFIX",
     "PoolConfig",
+    "documented",
     "load_config",
     "parse_bool",
+    "parse_number",
     "parse_size",
     "pool_file_path",
     "read_pool_file",
@@ -62,7 +64,23 @@ def parse_size(value: int | str, name: str = "size") -> int:
     return int(size)
 
 
-def _doc(default: Any, doc: str) -> Any:
+def parse_number(value: Any, name: str, integer: bool = False, minimum: float = 0.0) -> float:
+    """A finite number >= ``minimum`` from a number or its text; with ``integer``, a
+    whole one (``2.5`` is refused, not cut to 2). Bools, NaN and infinities are
+    refused: every setting that takes a number parses it here."""
+    try:
+        number = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not math.isfinite(number) or (integer and not number.is_integer()):
+        what = "a whole number" if integer else "a finite number"
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    if number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum:g}, got {value!r}")
+    return number
+
+
+def documented(default: Any, doc: str) -> Any:
     """A dataclass field with its README description (``settings.settings_table``)."""
     return field(default=default, metadata={"doc": doc})
 
@@ -88,23 +106,23 @@ class PoolConfig:
     may use Mooncake's shared-memory path to it.
     """
 
-    master_address: str = _doc("", "host:port of mooncake_master.")
-    metadata_server: str = _doc("P2PHANDSHAKE", "Mooncake's metadata server.")
-    protocol: str = _doc("tcp", "tcp or rdma.")
-    device_name: str = _doc("", "RDMA devices; empty for tcp.")
-    local_hostname: str = _doc("127.0.0.1", "The address this client advertises.")
-    global_segment_size: int = _doc(
+    master_address: str = documented("", "host:port of mooncake_master.")
+    metadata_server: str = documented("P2PHANDSHAKE", "Mooncake's metadata server.")
+    protocol: str = documented("tcp", "tcp or rdma.")
+    device_name: str = documented("", "RDMA devices; empty for tcp.")
+    local_hostname: str = documented("127.0.0.1", "The address this client advertises.")
+    global_segment_size: int = documented(
         0, "Memory this client contributes to the pool; 0 = a pure client."
     )
-    local_buffer_size: int = _doc(64 << 20, "Mooncake's client transfer buffer.")
-    holder_address: str = _doc(
+    local_buffer_size: int = documented(64 << 20, "Mooncake's client transfer buffer.")
+    holder_address: str = documented(
         "", "host:port of the standalone holder, if known (its host enables shared memory)."
     )
-    metrics_url: str = _doc("", "http://host:port of the master's metrics server.")
-    checksum: bool = _doc(True, "xxh3-64 over each object's payload, written and verified.")
-    setup_timeout_s: float = _doc(10.0, "Bound on connecting to the master.")
-    transfer_timeout_s: float = _doc(5.0, "Bound on one blocked transfer.")
-    pool_file: str = _doc(
+    metrics_url: str = documented("", "http://host:port of the master's metrics server.")
+    checksum: bool = documented(True, "xxh3-64 over each object's payload, written and verified.")
+    setup_timeout_s: float = documented(10.0, "Bound on connecting to the master.")
+    transfer_timeout_s: float = documented(5.0, "Bound on one blocked transfer.")
+    pool_file: str = documented(
         "",
         "The pool file `kvpool up` writes (default: $KVPOOL_HOME/pool.json); its values "
         "come under the settings here.",
@@ -148,13 +166,7 @@ def _coerce(name: str, value: Any) -> Any:
     if kind == "bool":
         return parse_bool(value, name)
     if kind == "float":
-        try:
-            number = float(value) if not isinstance(value, bool) else math.nan
-        except (TypeError, ValueError, OverflowError):
-            number = math.nan
-        if not math.isfinite(number):
-            raise ConfigError(f"{name} must be a finite number, got {value!r}")
-        return number
+        return parse_number(value, name, minimum=-math.inf)
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be a string, got {value!r}")
     return value

@@ -7,7 +7,7 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
                               with the field to change)
     Layout.content(r, g)      ContentId of what rank r holds for KV group g
     Layout.replica_set(c)     ranks holding byte-identical content c (sorted)
-    Layout.writer(g, k, c)    the one rank that writes chunk k of content c
+    Layout.writer(c, k)       the one rank that writes chunk k of content c
     Layout.writes(r, g, k)    does rank r write chunk k of group g?
     Layout.contents(g)        every distinct content of group g: the namespaces
                               a lookup must probe, and exactly the ones read

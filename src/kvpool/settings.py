@@ -12,83 +12,68 @@ An unknown key is an error that lists the known ones.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
-from kvpool.config import ENV_PREFIX, PoolConfig, parse_bool, parse_size
+from kvpool.config import ENV_PREFIX, PoolConfig, documented, parse_bool, parse_number, parse_size
 from kvpool.errors import ConfigError
 
 __all__ = ["ConnectorSettings", "parse_extra", "settings_table"]
-
-
-def _doc(default: Any, doc: str) -> Any:
-    """A dataclass field with its README description (``settings_table``)."""
-    return field(default=default, metadata={"doc": doc})
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """How the connector behaves; every field has a default that works after `kvpool up`."""
 
-    chunk_size: int = _doc(
+    chunk_size: int = documented(
         0, "Tokens per pool object, a multiple of the block size; 0 = one block."
     )
-    lookup_timeout_ms: float = _doc(
+    lookup_timeout_ms: float = documented(
         50.0, "Deadline of one scheduler-side lookup; past it the request misses."
     )
-    lookup_async: bool = _doc(
+    lookup_async: bool = documented(
         False, "Answer vLLM 'ask again later' instead of waiting for the lookup."
     )
-    save_decode: bool = _doc(False, "Also save chunks completed during decode.")
-    instance: str = _doc(
+    save_decode: bool = documented(False, "Also save chunks completed during decode.")
+    instance: str = documented(
         "", "Names the lookup endpoint; empty = from the engine's config fingerprint."
     )
-    load_mode: Literal["auto", "direct", "staged"] = _doc(
+    load_mode: Literal["auto", "direct", "staged"] = documented(
         "auto",
         "staged: loads land in staging, are verified, then copied into the KV cache; "
         "direct: straight into the KV cache; auto: staged (zero_copy loads are always "
         "direct).",
     )
-    shared_memory: Literal["auto", "on", "off"] = _doc(
+    shared_memory: Literal["auto", "on", "off"] = documented(
         "auto",
         "Mooncake's same-host path to the holder; auto: when the holder is on this host, else TCP.",
     )
-    staging_bytes: int = _doc(
+    staging_bytes: int = documented(
         256 << 20,
         "Staging per worker (half for saves, half for staged loads); any prompt moves "
         "through it piece by piece. Must hold one chunk object (checked at start).",
     )
-    zero_copy: bool = _doc(
+    zero_copy: bool = documented(
         False,
         "Place the KV cache in the holder's shared memory: no staging copy; loads are "
         "direct, with no load_timeout_s, and a holder restart needs an engine restart.",
     )
-    load_timeout_s: float = _doc(
+    load_timeout_s: float = documented(
         5.0,
         "A staged load with no answer this long fails (its blocks are recomputed) and its "
         "late bytes are dropped; 0 = wait as long as the store does.",
     )
-    failed_key_ttl_s: float = _doc(
+    failed_key_ttl_s: float = documented(
         60.0, "A chunk that failed to load is a miss in lookups for this long."
     )
-    run_dir: str = _doc(
+    run_dir: str = documented(
         "", "Folder of the lookup sockets; empty = a per-user temp folder (paths <= 107 bytes)."
     )
-    store: str = _doc("mooncake", "The store backend: a registered name or module:Class.")
+    store: str = documented("mooncake", "The store backend: a registered name or module:Class.")
 
 
 _CONNECTOR = {f.name: f for f in fields(ConnectorSettings)}
 _POOL = {f.name for f in fields(PoolConfig)}
-
-
-def _number(name: str, v: Any, kind: type[int] | type[float]) -> int | float:
-    try:
-        out = kind(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"kv_connector_extra_config.{name} must be a number, got {v!r}") from None
-    if out < 0:
-        raise ConfigError(f"kv_connector_extra_config.{name} must be >= 0, got {v!r}")
-    return out
 
 
 def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
@@ -108,11 +93,11 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
         if name in ("lookup_async", "save_decode", "zero_copy"):
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
         elif name == "chunk_size":
-            values[name] = int(_number(name, v, int))
+            values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
         elif name == "staging_bytes":
             values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
         elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
-            values[name] = float(_number(name, v, float))
+            values[name] = parse_number(v, f"kv_connector_extra_config.{name}")
         elif name == "shared_memory":
             if v in (True, False):
                 v = "on" if v else "off"

@@ -47,3 +47,32 @@ def test_a_bad_setting_is_a_config_error_not_an_absent_pool(
         load_config(extra, env={"KVPOOL_HOME": str(tmp_path), **env})
     assert not isinstance(raised.value, PoolNotFound)
     assert needle in str(raised.value)
+
+
+@pytest.mark.parametrize("bad", ["nan", float("nan"), "inf", float("-inf"), True, "ten", None])
+def test_numbers_are_parsed_by_one_rule_in_pool_and_connector_settings(bad: object) -> None:
+    """NaN, infinities and bools are refused alike by the pool config and the
+    connector settings (they once disagreed: the connector took NaN)."""
+    from kvpool.config import PoolConfig
+    from kvpool.settings import parse_extra
+
+    with pytest.raises(ConfigError, match="load_timeout_s"):
+        parse_extra({"load_timeout_s": bad})
+    with pytest.raises(ConfigError, match="transfer_timeout_s"):
+        load_config({"transfer_timeout_s": bad}, env={})
+    assert PoolConfig().transfer_timeout_s > 0
+
+
+@pytest.mark.parametrize("bad", [2.5, "3.5", -32, "-1"])
+def test_a_whole_number_setting_is_never_cut(bad: object) -> None:
+    from kvpool.settings import parse_extra
+
+    with pytest.raises(ConfigError, match="chunk_size"):
+        parse_extra({"chunk_size": bad})
+
+
+def test_good_numbers_still_parse() -> None:
+    from kvpool.settings import parse_extra
+
+    settings, _ = parse_extra({"chunk_size": "64", "load_timeout_s": "2.5"})
+    assert (settings.chunk_size, settings.load_timeout_s) == (64, 2.5)

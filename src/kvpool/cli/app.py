@@ -1,6 +1,7 @@
 """``kvpool`` commands: option parsing, the one error boundary and exit codes.
 
-Every command builds its output with ``render`` and prints it on one console.
+Commands print tables built by ``render`` (or by their bench's own renderer) on one
+console; ``--json`` prints one JSON object instead.
 Bad input exits 2 with one line on stderr; a kvpool error exits 1 likewise.
 """
 

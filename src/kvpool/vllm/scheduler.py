@@ -8,7 +8,8 @@
     SchedulerSide.build_meta(scheduler_output)  this step's loads (planned since
         the last step) and saves (chunks completed by this step's compute); a
         request is never in both
-    SchedulerSide.finished(request)  forget it
+    SchedulerSide.forget(req_id)  drop a finished request's state (and cancel
+        its async lookup)
     SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
         failed load never loops; saves a worker refused for local pressure are

@@ -1,7 +1,7 @@
 """``kvpool`` commands: option parsing, the one error boundary and exit codes.
 
 Commands print tables built by ``render`` (or by their bench's own renderer) on one
-console; ``--json`` prints one JSON object instead.
+console; with ``--json`` (where a command has it) one JSON object instead.
 Bad input exits 2 with one line on stderr; a kvpool error exits 1 likewise.
 """
 

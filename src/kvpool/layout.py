@@ -66,16 +66,32 @@ class GroupSpec:
     """One KV-cache group of the model.
 
     ``kv_heads`` is the model's total number of KV heads (all TP ranks together)
-    for mha/gqa, and 0 for mla and mamba, where it has no meaning.
+    for mha/gqa, and 0 for mla and mamba, where it has no meaning. ``window`` is
+    a sliding-window group's window in tokens (0: full attention); it changes
+    which chunks a hit needs (``needed_chunks``), never who holds or writes what.
     """
 
     kind: GroupKind
     kv_heads: int = 0
+    window: int = 0
 
     @classmethod
     def parse(cls, text: str) -> GroupSpec:
-        """Parse ``mla``, ``mamba``, ``gqa:8`` or ``mha:32``."""
-        name, _, heads = text.strip().lower().partition(":")
+        """Parse ``mla``, ``mamba``, ``gqa:8`` or ``mha:32``, each attention kind
+        optionally with a sliding window: ``gqa:8:w4096``, ``mla:w128``."""
+        parts = text.strip().lower().split(":")
+        window = 0
+        if len(parts) > 1 and parts[-1].startswith("w"):
+            try:
+                window = int(parts[-1][1:])
+            except ValueError:
+                raise LayoutError(
+                    f"a sliding window in {text!r} is 'w' and a token count, e.g. 'gqa:8:w4096'"
+                ) from None
+            if window < 1:
+                raise LayoutError(f"a sliding window must be >= 1 token, got {text!r}")
+            parts.pop()
+        name, heads = parts[0], ":".join(parts[1:])
         try:
             kind = GroupKind(name)
         except ValueError:
@@ -83,6 +99,8 @@ class GroupSpec:
             raise LayoutError(
                 f"unknown KV group kind {name!r} in {text!r}; use one of {kinds}"
             ) from None
+        if window and kind is GroupKind.MAMBA:
+            raise LayoutError(f"mamba has no sliding window; write 'mamba', not {text!r}")
         if kind in _HEADED:
             if not heads:
                 raise LayoutError(f"{kind.value} needs its total KV heads, e.g. '{kind.value}:8'")
@@ -92,13 +110,23 @@ class GroupSpec:
                 raise LayoutError(
                     f"KV heads in {text!r} must be an integer, e.g. 'gqa:8'"
                 ) from None
-            return cls(kind, n)
+            return cls(kind, n, window)
         if heads:
             raise LayoutError(f"{kind.value} takes no head count; write '{kind.value}'")
-        return cls(kind)
+        return cls(kind, 0, window)
 
     def __str__(self) -> str:
-        return f"{self.kind.value}:{self.kv_heads}" if self.kind in _HEADED else self.kind.value
+        base = f"{self.kind.value}:{self.kv_heads}" if self.kind in _HEADED else self.kind.value
+        return f"{base}:w{self.window}" if self.window else base
+
+    def needed_chunks(self, hit_chunks: int, chunk_size: int) -> range:
+        """The chunks a hit of ``hit_chunks`` chunks needs of this group: all of them
+        for full attention; for a sliding window, those holding the last
+        ``window - 1`` tokens before the hit (what the next token attends to)."""
+        if not self.window or hit_chunks == 0:
+            return range(hit_chunks)
+        first_token = max(0, hit_chunks * chunk_size - (self.window - 1))
+        return range(first_token // chunk_size, hit_chunks)
 
     def replication(self, tp: int) -> int:
         """How many TP ranks hold each distinct slice of this group (1 = none)."""
@@ -332,7 +360,12 @@ def _check_group(index: int, g: GroupSpec, tp: int, dcp: int) -> None:
             )
     elif g.kv_heads:
         raise LayoutError(f"{where}: {g.kind.value} takes no kv_heads; pass 0")
+    w = g.window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+        raise LayoutError(f"{where}: window must be a token count >= 0, got {w!r}")
     if g.kind is GroupKind.MAMBA:
+        if w:
+            raise LayoutError(f"{where}: mamba has no sliding window; pass 0")
         return
     r = g.replication(tp)
     if r % dcp:

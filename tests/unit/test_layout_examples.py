@@ -175,3 +175,29 @@ def test_group_spec_parse_and_format_round_trip() -> None:
     for text in ("mla", "mamba", "gqa:8", "mha:32"):
         assert str(GroupSpec.parse(text)) == text
     assert GroupSpec.parse(" GQA:4 ") == GroupSpec(GroupKind.GQA, 4)
+
+
+def test_a_sliding_window_group_parses_prints_and_needs_only_its_window() -> None:
+    from kvpool.layout import GroupKind, GroupSpec
+
+    g = GroupSpec.parse("gqa:8:w4096")
+    assert g == GroupSpec(GroupKind.GQA, 8, 4096) and str(g) == "gqa:8:w4096"
+    assert GroupSpec.parse("mla:w128") == GroupSpec(GroupKind.MLA, 0, 128)
+    assert str(GroupSpec.parse("gqa:8")) == "gqa:8"
+    # 64-token window, 32-token chunks: the last 63 tokens before the hit.
+    swa = GroupSpec(GroupKind.GQA, 2, 64)
+    assert swa.needed_chunks(9, 32) == range(7, 9)
+    assert swa.needed_chunks(1, 32) == range(0, 1)
+    assert swa.needed_chunks(0, 32) == range(0)
+    assert GroupSpec(GroupKind.GQA, 2).needed_chunks(9, 32) == range(9)
+    # A window of one chunk plus a token needs two chunks; of one token, one.
+    assert GroupSpec(GroupKind.GQA, 2, 34).needed_chunks(4, 32) == range(2, 4)
+    assert GroupSpec(GroupKind.GQA, 2, 1).needed_chunks(4, 32) == range(4, 4)
+
+
+@pytest.mark.parametrize("text", ["gqa:8:w0", "gqa:8:wx", "mamba:w64", "gqa:w64"])
+def test_bad_sliding_windows_say_what_to_write(text: str) -> None:
+    from kvpool.layout import GroupSpec
+
+    with pytest.raises(LayoutError):
+        GroupSpec.parse(text)

@@ -24,9 +24,12 @@ KV_HEADS = [1, 2, 4, 8, 16, 32]
 @st.composite
 def group_specs(draw: st.DrawFn) -> GroupSpec:
     kind = draw(st.sampled_from(list(GroupKind)))
+    # Sliding windows (hybrid models) on any attention kind: who holds and who
+    # writes what must not depend on them.
+    window = 0 if kind is GroupKind.MAMBA else draw(st.sampled_from([0, 0, 1, 64, 4096]))
     if kind in (GroupKind.GQA, GroupKind.MHA):
-        return GroupSpec(kind, draw(st.sampled_from(KV_HEADS)))
-    return GroupSpec(kind)
+        return GroupSpec(kind, draw(st.sampled_from(KV_HEADS)), window)
+    return GroupSpec(kind, 0, window)
 
 
 @st.composite

@@ -863,3 +863,49 @@ def test_the_constructor_starts_nothing_and_close_is_idempotent(endpoint: str) -
 def test_chunk_size_must_be_positive(endpoint: str) -> None:
     with pytest.raises(ConfigError, match="chunk_size"):
         LookupServer(endpoint, MemoryStore(), MLA_DCP, space_of(MLA_DCP), 0)
+
+
+# A sliding-window group (64 tokens: 4 chunks of 16 hold the last 63 tokens
+# before a hit) beside a full-attention group.
+WINDOWED = Layout.create(tp=2, groups=("gqa:2:w64", "gqa:2"))
+
+
+def _group_keys(layout: Layout, space: KeySpace, group: int, hashes: Sequence[bytes]) -> list[str]:
+    return [space.key(c, h) for h in hashes for c in layout.contents(group)]
+
+
+def test_a_sliding_window_group_needs_only_its_window_before_the_hit(service: Service) -> None:
+    space = space_of(WINDOWED)
+    store = HoleyStore()
+    service.server(store, WINDOWED, space)
+    client = service.client()
+    hashes = chunk_hashes(20)
+    put_chunks(store, WINDOWED, space, hashes)
+    tokens = 20 * CHUNK + 1
+    assert client.lookup("r", hashes, tokens) == 20 * CHUNK
+    # The window's group lost its old chunks (as an engine whose sliding window
+    # had dropped them saves): the hit stays whole.
+    store.holes = set(_group_keys(WINDOWED, space, 0, hashes[:16]))
+    assert client.lookup("r", hashes, tokens) == 20 * CHUNK
+    # A hole inside the window of the whole hit: the longest hit whose window
+    # lies before the hole is the hole itself only if the 4 chunks before it are
+    # present; here they are not (0-15 gone), so nothing counts.
+    store.holes |= set(_group_keys(WINDOWED, space, 0, hashes[17:18]))
+    assert client.lookup("r", hashes, tokens) == 0
+    # With chunks 13-16 back, a hit of 17 chunks has its whole window.
+    store.holes -= set(_group_keys(WINDOWED, space, 0, hashes[13:17]))
+    assert client.lookup("r", hashes, tokens) == 17 * CHUNK
+    # The full-attention group still needs every chunk: a hole at 5 bounds it.
+    store.holes = set(_group_keys(WINDOWED, space, 1, hashes[5:6]))
+    assert client.lookup("r", hashes, tokens) == 5 * CHUNK
+
+
+def test_an_unreadable_window_chunk_is_reported_not_guessed(service: Service) -> None:
+    space = space_of(WINDOWED)
+    store = HoleyStore()
+    service.server(store, WINDOWED, space)
+    client = service.client()
+    hashes = chunk_hashes(8)
+    put_chunks(store, WINDOWED, space, hashes)
+    store.down = set(_group_keys(WINDOWED, space, 0, hashes[7:8]))
+    assert client.lookup("r", hashes, 8 * CHUNK + 1) == 0  # an error reply reads as a miss

@@ -91,3 +91,41 @@ def test_the_model_config_hf_dict_is_what_vllm_resolved(base: Any) -> None:
     object.__setattr__(model, "hf_config", hf)
     object.__setattr__(changed, "model_config", model)
     assert _fingerprint(changed) != _fingerprint(base)
+
+
+def test_group_kinds_from_vllms_real_spec_classes() -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from kvpool.layout import GroupKind, GroupSpec
+    from kvpool.vllm.identity import UnsupportedEngine, _group_spec
+
+    swa = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=4096
+    )
+    assert _group_spec(swa, 8) == GroupSpec(GroupKind.GQA, 8, 4096)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    assert _group_spec(full, 8) == GroupSpec(GroupKind.GQA, 8)
+    # The hybrid manager off: a window recorded on a full spec keeps every block.
+    kept = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+    )
+    assert _group_spec(kept, 8) == GroupSpec(GroupKind.GQA, 8)
+    mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert _group_spec(mla, 1) == GroupSpec(GroupKind.MLA)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
+    with pytest.raises(UnsupportedEngine, match="Mamba"):
+        _group_spec(mamba, 8)
+
+
+@pytest.mark.parametrize("window", [1, 2, 31, 32, 33, 64, 65, 100, 4096])
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_a_window_needs_the_chunks_vllm_needs_for_a_hit(window: int, block: int) -> None:
+    """kvpool's window rule against vLLM's own (SlidingWindowManager)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    from kvpool.layout import GroupKind, GroupSpec
+
+    g = GroupSpec(GroupKind.GQA, 8, window)
+    need = SlidingWindowManager._contiguous_blocks_for_hit(window, block, False)
+    for hit in range(0, 200):
+        assert len(g.needed_chunks(hit, block)) == min(hit, need), hit

@@ -54,7 +54,8 @@ def cli(verbose: bool) -> None:
     "groups",
     multiple=True,
     metavar="KIND[:HEADS]",
-    help="A KV group: mla, mamba, gqa:N or mha:N. Repeat for hybrid models.",
+    help="A KV group: mla, mamba, gqa:N or mha:N; a sliding window as gqa:N:wTOKENS. "
+    "Repeat for hybrid models.",
 )
 @click.option(
     "--kv-heads",

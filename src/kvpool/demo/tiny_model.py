@@ -5,6 +5,10 @@
     build_shaped_llama(folder, shape, hidden, max_positions)  the same, with the
                      layers, KV heads (as many query heads) and head size of a
                      ``kvpool.bench.shapes.ModelShape``
+    build_tiny_gemma3(folder, layers=4, window=64, seed=0)  a random Gemma-3
+                     text model: sliding-window layers with a full-attention
+                     layer every ``full_every`` (a hybrid model for vLLM's
+                     hybrid KV cache manager)
 
 vLLM's CPU attention needs head size >= 32 (``head_dim``, by default hidden /
 heads); an explicit ``head_dim`` gives a real model's KV shape with a tiny
@@ -18,12 +22,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvpool.bench.shapes import ModelShape
 
-__all__ = ["build_shaped_llama", "build_tiny_llama"]
+__all__ = ["build_shaped_llama", "build_tiny_gemma3", "build_tiny_llama"]
 
 _CORPUS = [
     f"the quick brown fox jumps over the lazy dog number {i} and the cat sat on mat {7 * i} " * 3
@@ -63,8 +67,33 @@ def build_tiny_llama(
             "vLLM's CPU attention needs a head size (head_dim or hidden / heads) >= 32"
         )
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _write_tokenizer(folder)
+    cfg = LlamaConfig(
+        vocab_size=max(1024, len(tok)),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        **({"head_dim": head_dim} if head_dim else {}),
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    stamp.write_text(json.dumps(spec))
+    return folder
+
+
+def _write_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE tokenizer trained on a fixed corpus, saved in ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -87,22 +116,55 @@ def build_tiny_llama(
         pad_token="<pad>",
     )
     tok.save_pretrained(folder)
-    cfg = LlamaConfig(
+    return tok
+
+
+def build_tiny_gemma3(
+    folder: str | Path,
+    *,
+    layers: int = 4,
+    full_every: int = 4,
+    window: int = 64,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    seed: int = 0,
+) -> Path:
+    """Write a random Gemma-3 text model (sliding-window layers, every
+    ``full_every``-th one full attention) and the tokenizer into ``folder``."""
+    folder = Path(folder)
+    spec = {"arch": "gemma3", "layers": layers, "full_every": full_every, "window": window,
+            "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "seed": seed}  # fmt: skip
+    stamp = folder / "kvpool-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return folder
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = _write_tokenizer(folder)
+    kinds = [
+        "full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
+        for i in range(layers)
+    ]
+    cfg = Gemma3TextConfig(
         vocab_size=max(1024, len(tok)),
         hidden_size=hidden,
-        intermediate_size=intermediate,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        **({"head_dim": head_dim} if head_dim else {}),
-        tie_word_embeddings=False,
+        head_dim=head_dim,
+        sliding_window=window,
+        layer_types=kinds,
+        max_position_embeddings=4096,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    Gemma3ForCausalLM(cfg).save_pretrained(folder)
     stamp.write_text(json.dumps(spec))
     return folder
 

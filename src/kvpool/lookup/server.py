@@ -21,12 +21,15 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
   whole chunks count and a full-prompt hit leaves the last token to compute.
   A chunk counts only if every key the ranks would read for it is present
   (``plan.probe_keys``: every distinct content of every group) and it holds
-  no suppressed key. The boundary is searched in a few ``store.batch_exists``
-  rounds (``lookup.search.find_prefix``: one round over every chunk for a
-  short prompt, two or three of a few dozen chunks for a long one; none when
-  no chunk may count). ``hit_tokens`` is the counted chunks times
-  ``chunk_size``. If the prefix ends at a chunk the store could not answer for
-  (no key MISSING, some key UNAVAILABLE), the reply is
+  no suppressed key; a sliding-window group (``GroupSpec.window``) needs only
+  the chunks of its window before the hit (``GroupSpec.needed_chunks``), so
+  the hit is the longest one whose every group has what it needs. The
+  boundary is searched in a few ``store.batch_exists`` rounds
+  (``lookup.search.find_prefix``: one round over every chunk for a short
+  prompt, two or three of a few dozen chunks for a long one; none when no
+  chunk may count), windows in a few more. ``hit_tokens`` is the counted
+  chunks times ``chunk_size``. If the prefix ends at a chunk the store could
+  not answer for (no key MISSING, some key UNAVAILABLE), the reply is
   ``ErrorReply(store_unavailable)``.
 * ``ResetRequest`` -> ``ResetReply``: removes every object under
   ``KeySpace.prefix`` through the store's ``remove_prefix`` and reports what it
@@ -61,6 +64,8 @@ from kvpool.plan import probe_keys
 from kvpool.store.base import KVStore, Status
 
 __all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix"]
+
+WINDOW_ROUNDS = 4  # hits tried against sliding windows before answering 0
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +122,18 @@ class LookupServer:
         self.stats = ServerStats()
         self._clock = clock
         self._templates = _key_templates(layout, space)
+        # Full-attention groups need every chunk of a hit; sliding-window groups
+        # (``GroupSpec.window``) only the chunks of their window before it.
+        windows = [layout.groups[c.group].window for g in range(len(layout.groups))
+                   for c in layout.contents(g)]  # fmt: skip
+        self._full = tuple(t for t, w in zip(self._templates, windows, strict=True) if not w)
+        self._windowed = tuple(
+            (t, layout.groups[g]) for t, w, g in zip(
+                self._templates, windows,
+                (c.group for g in range(len(layout.groups)) for c in layout.contents(g)),
+                strict=True,
+            ) if w
+        )  # fmt: skip
         self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
         self._suppress_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -273,33 +290,36 @@ class LookupServer:
         suppressed = self._live_suppressed()
         if suppressed:  # the chunk holding a suppressed key, and all after, never count
             usable = min(usable, _first_of(req, suppressed))
-        per_chunk = len(self._templates)
+        per_chunk = len(self._full)
         probed = 0
         bound: Status | None = None  # why the last absent probe was absent
 
-        def probe(chunks: Sequence[int]) -> list[bool]:
-            nonlocal probed, bound
-            keys = self._keys([hash_of(i) for i in chunks])
+        def exists(keys: list[str]) -> list[Status]:
+            nonlocal probed
             statuses = self.store.batch_exists(keys)
             if len(statuses) != len(keys):  # a store bug: answered as INTERNAL
                 raise RuntimeError(f"the store answered {len(statuses)} of {len(keys)} keys")
             probed += len(keys)
             self.stats.store_calls += 1
+            return statuses
+
+        def probe(chunks: Sequence[int]) -> list[bool]:
+            nonlocal bound
+            statuses = exists(self._keys([hash_of(i) for i in chunks], self._full))
             present = [
                 all(s is Status.OK for s in statuses[j * per_chunk : (j + 1) * per_chunk])
                 for j in range(len(chunks))
             ]
             if not all(present):  # this round's first absent chunk bounds the answer
                 first = present.index(False)
-                answers = statuses[first * per_chunk : (first + 1) * per_chunk]
-                bound = (
-                    Status.MISSING
-                    if Status.MISSING in answers
-                    else next(s for s in answers if s is not Status.OK)
-                )
+                bound = _why_absent(statuses[first * per_chunk : (first + 1) * per_chunk])
             return present
 
-        hit = find_prefix(usable, per_chunk, probe, exact=self.exact)
+        hit = find_prefix(usable, per_chunk, probe, exact=self.exact) if self._full else usable
+        if self._windowed and hit:
+            shorter, why = self._fit_windows(hit, hash_of, exists)
+            if shorter < hit:
+                hit, bound = shorter, why
         self.stats.keys_probed += probed
         if hit < usable and bound is not Status.MISSING:
             return wire.ErrorReply(
@@ -309,9 +329,40 @@ class LookupServer:
             )
         return wire.LookupReply(seq=req.seq, hit_tokens=hit * chunk, keys_probed=probed)
 
-    def _keys(self, hashes: Sequence[bytes]) -> list[str]:
-        """Chunk-major keys of ``hashes``: what ``plan.probe_keys`` gives, flattened."""
-        return [t + h.hex() for h in hashes for t in self._templates]
+    def _fit_windows(
+        self,
+        hit: int,
+        hash_of: Callable[[int], bytes],
+        exists: Callable[[list[str]], list[Status]],
+    ) -> tuple[int, Status | None]:
+        """The longest hit <= ``hit`` chunks whose sliding-window groups have every
+        chunk of their window before it, and why a shorter one was chosen.
+
+        A missing window chunk m rules out every hit above it (m is in each of
+        their windows, since the windows before ``hit`` reach m), so the next
+        candidate is m; after ``WINDOW_ROUNDS`` candidates the answer is 0."""
+        why: Status | None = None
+        for _ in range(WINDOW_ROUNDS):
+            wanted = [(k, t) for t, g in self._windowed
+                      for k in g.needed_chunks(hit, self.chunk_size)]  # fmt: skip
+            if not wanted:
+                return hit, why
+            statuses = exists([t + hash_of(k).hex() for k, t in wanted])
+            absent = [(k, st) for (k, _), st in zip(wanted, statuses, strict=True)
+                      if st is not Status.OK]  # fmt: skip
+            if not absent:
+                return hit, why
+            hit = max(k for k, _ in absent)
+            why = _why_absent([st for k, st in absent if k == hit])
+            if hit == 0:
+                return 0, why
+        return 0, why
+
+    def _keys(self, hashes: Sequence[bytes], templates: Sequence[str] | None = None) -> list[str]:
+        """Chunk-major keys of ``hashes`` under ``templates`` (default: all, what
+        ``plan.probe_keys`` gives, flattened)."""
+        templates = self._templates if templates is None else templates
+        return [t + h.hex() for h in hashes for t in templates]
 
     def _reset(self, req: wire.ResetRequest) -> wire.Reply:
         prefix = self.space.prefix
@@ -393,6 +444,13 @@ def _first_of(req: wire.PackedLookup | wire.LookupRequest, wanted: set[bytes]) -
         if at >= 0:
             first = min(first, at // width)
     return first
+
+
+def _why_absent(answers: Sequence[Status]) -> Status:
+    """MISSING when any key is; else the first failure (the store could not say)."""
+    if Status.MISSING in answers:
+        return Status.MISSING
+    return next(s for s in answers if s is not Status.OK)
 
 
 def _key_templates(layout: Layout, space: KeySpace) -> tuple[str, ...]:

@@ -20,6 +20,12 @@ value in ``kv_connector_extra_config`` or a ``KVPOOL_*`` override, a run_dir
 too long for a socket) raises ``ConfigError`` and stops the engine at start:
 a typo must not turn caching off in silence.
 
+Hybrid models: the connector supports vLLM's hybrid KV cache manager
+(``SupportsHMA``), so sliding-window groups keep only their window's blocks; a
+hit needs each sliding-window group's chunks inside the window only, and blocks
+vLLM already dropped (its null block) are neither saved nor loaded. Mamba
+groups leave the connector idle (not pooled yet), the engine serves.
+
 With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events": true}'``),
 ``take_events`` yields a ``BlockStored`` (medium "cpu", block size = chunk size)
 for each chunk once all of its objects, from every rank, are in the pool.
@@ -40,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -112,7 +119,7 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
     return open_framed
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares KV blocks between engines through a kvpool pool. See the module docstring."""
 
     # Hits come from the pool's host memory (a holder process, local or remote).
@@ -239,6 +246,15 @@ class KVPoolConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager (``SupportsHMA``) calls this once per
+        request. Saves never hold blocks past a step (staged saves copy them at
+        submit; zero-copy ones are flushed before a freed block is reused), so
+        the blocks are vLLM's to free at once."""
         if self._sched is not None:
             self._sched.forget(request.request_id)
         return False, None

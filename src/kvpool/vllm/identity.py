@@ -50,17 +50,26 @@ class EngineIdentity:
 
 
 def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
-    """Map a vLLM KVCacheSpec to a kvpool group kind (by class, duck-typed)."""
+    """Map a vLLM KVCacheSpec to a kvpool group kind (by class, duck-typed).
+
+    A full-attention spec that records a sliding window (vLLM's hybrid manager
+    off) allocates every block, so it is pooled as full attention; a
+    ``SlidingWindowSpec`` (hybrid manager on) keeps only the window's blocks."""
     names = {c.__name__ for c in type(spec).__mro__}
     if "MambaSpec" in names:
-        return GroupSpec(GroupKind.MAMBA)
+        raise UnsupportedEngine(
+            "Mamba / linear-attention state is not pooled yet (the engine serves "
+            "without kvpool; vLLM's hybrid manager stays on)"
+        )
+    if "SlidingWindowSpec" in names and "SlidingWindowMLASpec" not in names:
+        return GroupSpec(GroupKind.GQA, total_kv_heads, int(spec.sliding_window))
     if "MLAAttentionSpec" in names and "SlidingWindowSpec" not in names:
         return GroupSpec(GroupKind.MLA)
     if "FullAttentionSpec" in names and not names & {"RSWASpec", "SinkFullAttentionSpec"}:
         return GroupSpec(GroupKind.GQA, total_kv_heads)
     raise UnsupportedEngine(
         f"KV cache group kind {type(spec).__name__} is not supported by kvpool yet "
-        "(full attention, MLA and Mamba are)"
+        "(full attention, sliding window and MLA are)"
     )
 
 
@@ -102,6 +111,12 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
                 "are not supported yet"
             )
     chunk = chunk_size or block_size
+    if chunk != block_size and any(g.window for g in groups):
+        raise ConfigError(
+            f"chunk_size={chunk} with sliding-window layers: vLLM frees a window's "
+            f"blocks one by one, so a pool object must be one block ({block_size} "
+            "tokens); unset chunk_size"
+        )
     if chunk % block_size:
         raise ConfigError(
             f"chunk_size={chunk} must be a multiple of the block size {block_size} "

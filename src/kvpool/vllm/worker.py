@@ -62,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do
+# vLLM's BlockPool takes block 0 as its null block: the placeholder of blocks a
+# sliding window dropped (hybrid KV cache manager). It holds no request's KV.
+NULL_BLOCK = 0
 # vLLM KV group kinds whose blocks stay with a request until it finishes or is
 # preempted (zero copy relies on it; sliding windows free blocks earlier).
 _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
@@ -285,6 +288,8 @@ class WorkerSide:
             for g, local in self._local.items():
                 if writing and not layout.writes(self.rank, g, c.chunk):
                     continue
+                if NULL_BLOCK in c.block_ids[g]:  # a window's dropped block: no bytes
+                    continue
                 key = space.key(layout.content(self.rank, g), c.chunk_hash)
                 refs.append((ChunkRef(key, local, c.chunk, c.block_ids[g]), c.chunk_hash))
         return refs
@@ -294,7 +299,7 @@ class WorkerSide:
             if self.engine is None:
                 self._unfinished_without_engine.add(ops.req_id)
                 for c in ops.chunks:
-                    self._invalid.update(b for ids in c.block_ids for b in ids)
+                    self._invalid.update(b for ids in c.block_ids for b in ids if b != NULL_BLOCK)
                 continue
             job = ("load", next(self._jobs))
             refs = self._refs(ops, writing=False)

@@ -176,3 +176,20 @@ def test_up_with_master_starts_only_a_holder(home: Home, pool_factory: PoolFacto
 
     assert home.kvpool("down").returncode == 0
     assert master.master_running()  # not ours to stop
+
+
+def test_a_second_up_while_one_is_starting_is_refused_and_starts_nothing(home: Home) -> None:
+    """Two `kvpool up` at once must not both start a pool (one would be orphaned):
+    the one that finds the start lock held says so and starts nothing."""
+    import fcntl
+
+    home.path.mkdir(parents=True, exist_ok=True)
+    lock = home.path / "pool.json.lock"
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a first `up` between its check and its file
+        r = home.kvpool("up", "--segment-size", "128MB")
+    assert r.returncode == 1
+    assert "another `kvpool up` is starting" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not home.pool_file.exists()
+    home.up()  # the lock is free again: a pool starts
+    assert home.pool_file.exists()

@@ -3,6 +3,8 @@
     up       start master + holder in their own session (they outlive the command),
              write the pool file, print where the pool is and the vLLM flag to use;
              exits 1 if a live pool already has the pool file (a stale one is replaced)
+             or another ``up`` of the same pool file is under way (``<file>.lock``,
+             held from the check to the written file: two at once never orphan a pool)
     down     stop the processes the pool file names (only while they are verifiably
              those mooncake processes) and remove the file; exits 1 without a pool
     status   processes, keys, bytes used / capacity, clients, segments and keys per
@@ -15,7 +17,12 @@ Table builders return rich renderables and print nothing.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +213,31 @@ def _live_pool(path: Path) -> LocalPool | None:
     return pool if any(running for _, _, running in pool.processes()) else None
 
 
+@contextlib.contextmanager
+def _starting(pool_file: Path) -> Iterator[None]:
+    """Hold ``<pool_file>.lock`` (never through a link planted at its name) for one
+    ``kvpool up``; KVPoolError at once if another holds it."""
+    lock = pool_file.with_name(pool_file.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise KVPoolError(f"cannot open the lock {lock}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise KVPoolError(
+                f"another `kvpool up` is starting a pool with pool file {pool_file}; "
+                "wait for it, then `kvpool status`"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @click.command()
 @click.option(
     "--segment-size",
@@ -248,28 +280,29 @@ def up(
     if metrics_url and master is None:
         raise click.UsageError("--metrics-url goes with --master")
     path = pool_file_path()
-    live = _live_pool(path)
-    if live is not None:
-        raise KVPoolError(
-            f"a pool is already running (master {live.master_address}, pool file {path}); "
-            "stop it with `kvpool down`"
+    with _starting(path):
+        live = _live_pool(path)
+        if live is not None:
+            raise KVPoolError(
+                f"a pool is already running (master {live.master_address}, pool file {path}); "
+                "stop it with `kvpool down`"
+            )
+        if path.exists():
+            click.echo(f"kvpool: replacing stale pool file {path}", err=True)
+        pool = LocalPool.start(
+            path.parent,
+            segment_size=segment_size,
+            client_ttl=client_ttl,
+            lease_ttl_ms=lease_ttl_ms,
+            master_address=master,
+            metrics_url=metrics_url,
+            detach=True,
         )
-    if path.exists():
-        click.echo(f"kvpool: replacing stale pool file {path}", err=True)
-    pool = LocalPool.start(
-        path.parent,
-        segment_size=segment_size,
-        client_ttl=client_ttl,
-        lease_ttl_ms=lease_ttl_ms,
-        master_address=master,
-        metrics_url=metrics_url,
-        detach=True,
-    )
-    try:
-        pool.write_pool_file(path)
-    except BaseException:
-        pool.stop()
-        raise
+        try:
+            pool.write_pool_file(path)
+        except BaseException:
+            pool.stop()
+            raise
     console = _console()
     console.print("[bold green]kvpool pool is up[/bold green]", soft_wrap=True)
     console.print(up_summary(pool, path))

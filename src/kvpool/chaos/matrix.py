@@ -303,15 +303,19 @@ def _holder_killed(ctx: ChaosContext, env: RowEnv) -> str:
 ZERO_COPY_STALL_S = 30.0  # Mooncake's RPC timeout to a same-host holder (measured)
 
 
-def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
-    timeout_s = 2.0
+@contextlib.contextmanager
+def _frozen_phase(
+    ctx: ChaosContext, env: RowEnv, name: str, **extra: Any
+) -> Iterator[tuple[LocalPool, EngineSession, dict[str, Any]]]:
+    """An engine's first phase run while the holder is stopped (SIGSTOP), outputs
+    checked: (pool, the engine session, the phase's result)."""
     # A long client TTL keeps the frozen holder's segment listed, as a master that
     # has not noticed a cut-off host yet: lookups hit, and the loads hang.
     pool = env.pool(client_ttl=60)
     ctx.seed_pool(pool)
     f = ctx.families
-    spec = ctx.spec(pool, [f[0], f[2], f[3], f[4]], hold=True, load_timeout_s=timeout_s)
-    with ctx.session(spec, "holder-frozen") as s:
+    spec = ctx.spec(pool, [f[0], f[2], f[3], f[4]], hold=True, **extra)
+    with ctx.session(spec, name) as s:
         s.ready()
         pool.freeze_holder()
         try:
@@ -319,6 +323,12 @@ def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
         finally:
             pool.thaw_holder()
         ctx.check_outputs(p0["results"], f[0])
+        yield pool, s, p0
+
+
+def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
+    timeout_s = 2.0
+    with _frozen_phase(ctx, env, "holder-frozen", load_timeout_s=timeout_s) as (pool, s, p0):
         stats = p0["connector"]
         slowest = max(r["total_s"] for r in p0["results"])
         new, secs = _run_until_saved(s, pool, 3, set(master_keys(pool.metrics_url)))
@@ -340,18 +350,7 @@ def _holder_frozen_zero_copy(ctx: ChaosContext, env: RowEnv) -> str:
     # Zero copy: the holder itself copies between its segment and the KV cache (in
     # its shared memory), so a load cannot be abandoned early (late bytes would land
     # in reused blocks): Mooncake's own RPC timeout to the holder bounds it.
-    pool = env.pool(client_ttl=60)
-    ctx.seed_pool(pool)
-    f = ctx.families
-    spec = ctx.spec(pool, [f[0], f[2], f[3], f[4]], hold=True, zero_copy=True)
-    with ctx.session(spec, "holder-frozen-zero-copy") as s:
-        s.ready()
-        pool.freeze_holder()
-        try:
-            p0 = s.next_phase()
-        finally:
-            pool.thaw_holder()
-        ctx.check_outputs(p0["results"], f[0])
+    with _frozen_phase(ctx, env, "holder-frozen-zero-copy", zero_copy=True) as (_, s, p0):
         stats = p0["connector"]
         slowest = max(r["total_s"] for r in p0["results"])
         s.finish()

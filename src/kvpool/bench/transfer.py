@@ -57,9 +57,10 @@ from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
-from kvpool.store.base import Segment, Status
+from kvpool.store.base import Status
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
+from kvpool.store.scatter import Segment
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine
 
 __all__ = [

@@ -190,7 +190,7 @@ class GroupKV:
 
     def columns(self, block_ids: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
         """``segments`` as two columns: per object its addresses and its lengths
-        (Python ints, no empty segment; what ``store.base.Scatter`` holds)."""
+        (Python ints, no empty segment; what ``store.scatter.Scatter`` holds)."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if ids.ndim == 2 and ids.shape[1] == 1 and ids.size:  # no numpy work per row
             starts, strides, lengths = self._one_block

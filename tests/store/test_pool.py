@@ -163,7 +163,7 @@ def test_the_pool_file_is_never_written_through_a_planted_link(
 def test_stopping_another_users_pool_says_so_in_one_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvpool import pool as pool_module
+    from kvpool.pool import processes as pool_module
 
     def refuse(pid: int, sig: int) -> None:
         raise PermissionError(1, "Operation not permitted")

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from kvpool.bench.store import SizeResult, StoreBench, _Layout
-from kvpool.cli.bench_cmd import store_bench_json, store_bench_table
+from kvpool.cli.bench_store_cmd import store_bench_json, store_bench_table
 
 BENCH = StoreBench(
     results=(

@@ -21,7 +21,7 @@ from kvpool.bench.transfer import (
     job_size,
     kv_shape_for,
 )
-from kvpool.cli.bench_cmd import (
+from kvpool.cli.bench_transfer_cmd import (
     TRANSFER_PATHS,
     TRANSFER_SIZES,
     transfer_bench_json,

@@ -7,7 +7,7 @@ import pytest
 from rich.console import Console
 
 from kvpool.bench.lookup import LookupBench, LookupCase
-from kvpool.cli.bench_cmd import _layouts, _tokens, lookup_bench_table
+from kvpool.cli.bench_lookup_cmd import _layouts, _tokens, lookup_bench_table
 
 BENCH = LookupBench(
     cases=(

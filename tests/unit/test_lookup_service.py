@@ -34,8 +34,9 @@ from kvpool.lookup.client import LookupClient
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, private_dir
 from kvpool.lookup.server import LookupServer, SupportsRemovePrefix
 from kvpool.plan import chunk_hashes, probe_keys
-from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.base import KVStore, Status
 from kvpool.store.memory import MemoryStore
+from kvpool.store.scatter import Segments
 
 CHUNK = 16
 MLA_DCP = Layout.create(tp=4, dcp=2, groups=("mla",))  # 2 namespaces

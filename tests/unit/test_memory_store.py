@@ -274,11 +274,11 @@ _SEGMENT_CASES: list[object] = [
 @pytest.mark.parametrize("segments", _SEGMENT_CASES, ids=repr)
 def test_the_fast_segment_check_agrees_with_the_full_one(segments: object) -> None:
     """``_plainly_valid`` may only say yes where the full loop finds nothing wrong."""
-    from kvpool.store import base
+    from kvpool.store import base, scatter
 
     full = base._malformed("k", segments)
     if isinstance(segments, list | tuple) and segments:
-        fast_yes = base._plainly_valid(segments)
+        fast_yes = scatter._plainly_valid(segments)
         assert not fast_yes or full is None, segments
         if all(type(s) is tuple for s in segments):
             assert fast_yes == (full is None), segments

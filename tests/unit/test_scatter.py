@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from kvpool.header import HEADER_SIZE
-from kvpool.store.base import Scatter, Status
+from kvpool.store.base import Status
 from kvpool.store.framed import FramedStore
 from kvpool.store.memory import MemoryStore
+from kvpool.store.scatter import Scatter
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,9 @@ from kvpool.config import PoolConfig
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings
-from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.base import KVStore, Status
 from kvpool.store.memory import MemoryStore
+from kvpool.store.scatter import Segments
 from kvpool.transfer import TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, RequestOps

@@ -42,8 +42,9 @@ from kvpool.keys import KeySpace, lookup_endpoint
 from kvpool.layout import Layout
 from kvpool.plan import chunk_hashes, probe_keys
 from kvpool.pool import master_metrics
-from kvpool.store.base import KVStore, Segments, Status
+from kvpool.store.base import KVStore, Status
 from kvpool.store.mooncake import MooncakeStore
+from kvpool.store.scatter import Segments
 
 if TYPE_CHECKING:
     from kvpool.lookup.client import LookupClient

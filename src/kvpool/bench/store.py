@@ -34,9 +34,10 @@ import numpy.typing as npt
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
-from kvpool.store.base import Scatter, Segment, Status
+from kvpool.store.base import Status
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
+from kvpool.store.scatter import Scatter, Segment
 
 __all__ = ["DEFAULT_SIZES", "SizeResult", "StoreBench", "run_store_bench"]
 

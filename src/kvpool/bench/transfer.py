@@ -3,8 +3,9 @@
     run_transfer_bench(config, ...) -> TransferBench   measure; prints nothing
     kv_shape_for(size, layers)      a vLLM-like KV shape whose one-block chunk
                                     object has ``size`` bytes
-    measure_hook_overhead(config)   per-step CPU cost of the worker hooks when
-                                    there is nothing to load or save
+    HookOverhead                    the worker hooks' per-step CPU cost when there is
+                                    nothing to load or save (``kvpool.bench.hooks``
+                                    measures it: the one part that imports vLLM)
 
 For each path (``tcp``: ``MooncakeStore(shared_memory=False)``; ``shm``:
 ``shared_memory=True``), with staged loads as the vLLM connector runs them
@@ -46,7 +47,6 @@ import time
 import uuid
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -55,11 +55,10 @@ import torch
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
-from kvpool.keys import KeySpace
-from kvpool.layout import Layout
-from kvpool.store.base import Segment, Status
+from kvpool.store.base import Status
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
+from kvpool.store.scatter import Segment
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine
 
 __all__ = [
@@ -72,7 +71,6 @@ __all__ = [
     "VariantResult",
     "job_size",
     "kv_shape_for",
-    "measure_hook_overhead",
     "run_transfer_bench",
 ]
 
@@ -624,98 +622,11 @@ def run_transfer_bench(
             results.append(
                 _bench_size(config, path, shape, objects, repeats, job_chunks, staging, tick)
             )
-    hooks = measure_hook_overhead(config, hook_steps, progress) if hook_steps > 0 else None
+    hooks = None
+    if hook_steps > 0:
+        from kvpool.bench.hooks import measure_hook_overhead  # imports vLLM
+
+        hooks = measure_hook_overhead(config, hook_steps, progress)
     return TransferBench(
         tuple(results), config.master_address, repeats, total_bytes, job_bytes, hooks
-    )
-
-
-# --------------------------------------------------------------------------- idle hooks
-
-
-def _median_us(samples_ns: list[int]) -> float:
-    return statistics.median(samples_ns) / 1000.0
-
-
-def measure_hook_overhead(
-    config: PoolConfig, steps: int = 10_000, on_progress: Progress | None = None
-) -> HookOverhead:
-    """Median CPU cost per step of the worker side when no request loads or saves.
-
-    Builds a ``WorkerSide`` by hand (the connector's worker half, on a small KV
-    cache of 16 blocks, over ``FramedStore(MooncakeStore)``) and times, per step,
-    ``submit_save(job, [])`` + ``poll()`` on its engine, building an empty
-    ``KVPoolMetadata``, and the worker hooks the connector calls every step on
-    it (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
-    ``worker_meta``, ``interval_stats``), the last also alone. Imports vLLM (seconds).
-    """
-    from kvpool.settings import ConnectorSettings
-    from kvpool.vllm.identity import EngineIdentity
-    from kvpool.vllm.metadata import KVPoolMetadata
-    from kvpool.vllm.worker import WorkerSide
-
-    progress = on_progress or (lambda *_: None)
-    shape = kv_shape_for(256 * KiB)
-    kv = _KVCache(shape, 16)
-    layout = Layout.create(tp=1, groups=[f"gqa:{shape.kv_heads}"])
-    space = KeySpace.create(model="kvpool-bench/hooks", layout=layout, kv_dtype="float32",
-                            model_dtype="float32", chunk_size=shape.block_size,
-                            head_size=shape.head_size, num_layers=shape.layers)  # fmt: skip
-    identity = EngineIdentity(layout, space, shape.block_size, shape.block_size, 0)
-    kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(layer_names=[name for name, _ in kv.layers])],
-        num_blocks=kv.num_blocks,
-    )
-
-    def open_store(cfg: PoolConfig) -> FramedStore:
-        return FramedStore(MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum)
-
-    worker = WorkerSide(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
-    worker.register(dict(kv.layers))
-    try:
-        engine = worker.engine
-        if engine is None:
-            raise StoreError(f"the worker could not open the pool at {config.master_address}")
-        phases = 4
-        progress("hooks", 0, phases)
-        clock = time.perf_counter_ns
-        empty: list[int] = []
-        for i in range(steps):
-            t = clock()
-            engine.submit_save(("idle", i), [])
-            engine.poll()
-            empty.append(clock() - t)
-        progress("hooks", 1, phases)
-        meta_ns: list[int] = []
-        for _ in range(steps):
-            t = clock()
-            KVPoolMetadata()
-            meta_ns.append(clock() - t)
-        progress("hooks", 2, phases)
-        hooks_ns: list[int] = []
-        for _ in range(steps):
-            meta = KVPoolMetadata()
-            t = clock()
-            worker.start_loads(meta)
-            worker.start_saves(meta)
-            worker.finished()
-            worker.load_errors()
-            worker.worker_meta()
-            worker.interval_stats()
-            hooks_ns.append(clock() - t)
-        progress("hooks", 3, phases)
-        stats_ns: list[int] = []
-        for _ in range(steps):
-            t = clock()
-            worker.interval_stats()
-            stats_ns.append(clock() - t)
-        progress("hooks", 4, phases)
-    finally:
-        worker.close()
-    return HookOverhead(
-        steps,
-        _median_us(empty),
-        _median_us(meta_ns),
-        _median_us(hooks_ns),
-        _median_us(stats_ns),
     )

@@ -18,8 +18,9 @@ import os
 import time
 from collections.abc import Sequence
 
-from kvpool.store.base import Segments, Status
+from kvpool.store.base import Status
 from kvpool.store.mooncake import MooncakeStore
+from kvpool.store.scatter import Segments
 
 __all__ = ["BrokenLoadStore", "SlowExistsStore", "SlowPutStore", "VanishingStore"]
 

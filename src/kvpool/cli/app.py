@@ -13,8 +13,12 @@ import sys
 
 import click
 
-from kvpool.cli import bench_serve_cmd as _bench_serve  # noqa: F401  (registers `bench serve`)
-from kvpool.cli import bench_vllm_cmd as _bench_vllm  # noqa: F401  (registers `bench vllm`)
+# importing a bench_*_cmd module registers its `kvpool bench` command
+from kvpool.cli import bench_lookup_cmd as _bench_lookup  # noqa: F401
+from kvpool.cli import bench_serve_cmd as _bench_serve  # noqa: F401
+from kvpool.cli import bench_store_cmd as _bench_store  # noqa: F401
+from kvpool.cli import bench_transfer_cmd as _bench_transfer  # noqa: F401
+from kvpool.cli import bench_vllm_cmd as _bench_vllm  # noqa: F401
 from kvpool.cli import render
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.chaos_cmd import chaos

@@ -1,6 +1,7 @@
 """Stores of KV objects, chosen by name. ``import kvpool.store`` imports no backend.
 
-    KVStore, Status, Segment      the interface (``kvpool.store.base``)
+    KVStore, Status               the interface (``kvpool.store.base``)
+    Segment, Segments, total_size scatter lists (``kvpool.store.scatter``)
     open_store(name, config, **o) build the store registered as ``name``
                                   (``"memory"`` or ``"mooncake"``) or named
                                   ``module:Class``, importing its module only now
@@ -17,7 +18,8 @@ from typing import Any, Protocol
 
 from kvpool.config import PoolConfig
 from kvpool.errors import ConfigError
-from kvpool.store.base import KVStore, Segment, Segments, Status, total_size
+from kvpool.store.base import KVStore, Status
+from kvpool.store.scatter import Segment, Segments, total_size
 
 __all__ = [
     "KVStore",

@@ -45,7 +45,8 @@ from kvpool.header import (
     fingerprint_bytes,
     unpack,
 )
-from kvpool.store.base import KVStore, Scatter, Segments, Status, take, totals
+from kvpool.store.base import KVStore, Status
+from kvpool.store.scatter import Scatter, Segments, take, totals
 
 __all__ = ["FramedStore"]
 

@@ -35,7 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.config import PoolConfig
-from kvpool.store.base import KVStore, Segments, Status, total_size
+from kvpool.store.base import KVStore, Status
+from kvpool.store.scatter import Segments, total_size
 
 __all__ = ["MemoryStore"]
 

@@ -51,7 +51,8 @@ import numpy.typing as npt
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError, StoreMissingDependency, StoreUnavailable
-from kvpool.store.base import KVStore, Scatter, Segments, Status
+from kvpool.store.base import KVStore, Status
+from kvpool.store.scatter import Scatter, Segments
 
 __all__ = ["MooncakeStore", "status_of"]
 

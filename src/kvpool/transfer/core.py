@@ -29,7 +29,8 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 import numpy as np
 
 from kvpool.kvcache import GroupKV
-from kvpool.store.base import KVStore, Scatter, Status
+from kvpool.store.base import KVStore, Status
+from kvpool.store.scatter import Scatter
 from kvpool.transfer.copies import KVCopier
 from kvpool.transfer.records import ChunkRef, JobResult, TransferStats
 

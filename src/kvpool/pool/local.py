@@ -8,9 +8,8 @@
     LocalPool.attach(pool_file)  a handle on the processes a pool file names (for
                                  ``kvpool down`` / ``status``); never starts anything
     pool.stop()                  SIGTERM, wait, SIGKILL fallback; reaps its children.
-                                 Idempotent. PIDs read from a file are signalled only
-                                 while ``/proc/<pid>/cmdline`` still shows that
-                                 mooncake process, so a stale file kills nothing else
+                                 Idempotent; PIDs from a file are signalled only while
+                                 verified (``processes``)
     pool.kill_holder()           SIGKILL the holder (fault tests): its segment stays
                                  mounted on the master until ``client_ttl`` expires
     pool.restart_holder()        start a fresh holder (same port if free); the old
@@ -22,47 +21,24 @@
     pool.config(**overrides)     a ``PoolConfig`` for a pure client of this pool
                                  (``global_segment_size`` 0)
     pool.write_pool_file(path)   the JSON pool file that ``kvpool up`` leaves behind
-    master_metrics(url)          the master's Prometheus ``/metrics`` as {sample: value}
-                                 (``parse_metrics(text)`` is the pure parser)
-    master_keys(url)             every key the master knows (``/get_all_keys``)
-    wait_until(cond, timeout)    poll a condition on the pool (e.g. its key count)
-                                 against a deadline
-    namespace_counts(keys)       keys grouped by kvpool namespace; others counted apart
-    pool_status(pool)            one ``PoolStatus`` record for ``kvpool status``: processes,
-                                 key count, bytes, clients, segments, namespaces;
-                                 an unreachable master is a field, not an exception
-    find_binary(name)            a Mooncake executable, or ``StoreMissingDependency``
 
 Health is polled against a deadline, never slept for: the master is up when its
 process lives, its RPC port accepts and ``/health`` says ``service_ready``; a
 holder is up when its port accepts and (master metrics known) a new segment is
-mounted on the master. Every address is 127.0.0.1; children get
-``MC_TCP_BIND_ADDRESS=127.0.0.1``. Logs go to ``<home>/master.log`` and
-``<home>/holder.log`` (appended).
-
-Lifetime: by default children get ``PR_SET_PDEATHSIG`` (SIGTERM when the thread
-that started them exits), so a crashed test run leaves no orphans; start pools
-from a long-lived thread. ``detach=True`` (what ``kvpool up`` uses) starts them
-in a new session instead, to outlive the caller.
+mounted on the master. Every address is 127.0.0.1. Logs go to
+``<home>/master.log`` and ``<home>/holder.log`` (appended). Start pools from a
+long-lived thread unless ``detach=True`` (what ``kvpool up`` uses): see
+``processes`` for the children's lifetime.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -70,383 +46,27 @@ from types import TracebackType
 from typing import Any, Self
 
 from kvpool.config import PoolConfig, read_pool_file
-from kvpool.errors import (
-    ConfigError,
-    KeyFormatError,
-    KVPoolError,
-    StoreMissingDependency,
-    StoreUnavailable,
+from kvpool.errors import ConfigError, StoreUnavailable
+from kvpool.pool.binaries import HOLDER_BINARY, MASTER_BINARY, find_binary
+from kvpool.pool.master_api import master_health, master_metrics, segment_capacities
+from kvpool.pool.processes import (
+    _POLL_S,
+    LOOPBACK,
+    _port_accepts,
+    _port_free,
+    _Process,
+    _spawn,
+    _split_address,
+    free_ports,
 )
-from kvpool.keys import parse_key
 
-__all__ = [
-    "HOLDER_BINARY",
-    "MASTER_BINARY",
-    "GiB",
-    "LocalPool",
-    "NamespaceCount",
-    "NamespaceSummary",
-    "PoolStatus",
-    "completed_puts",
-    "find_binary",
-    "free_ports",
-    "is_mooncake_process",
-    "master_keys",
-    "master_metrics",
-    "namespace_counts",
-    "parse_metrics",
-    "pool_status",
-    "segment_capacities",
-]
+__all__ = ["MIN_SEGMENT", "GiB", "LocalPool"]
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
-MASTER_BINARY = "mooncake_master"
-HOLDER_BINARY = "mooncake_client"
-LOOPBACK = "127.0.0.1"
-_INSTALL_MOONCAKE = "pip install 'kvpool[mooncake-cpu]' (or mooncake-transfer-engine on GPU hosts)"
-_POLL_S = 0.02
-_LOG_TAIL_LINES = 15
-_START_ATTEMPTS = 3  # a port taken between picking and binding makes the master exit
-
-
-# --------------------------------------------------------------------------- binaries
-
-
-def find_binary(name: str) -> str:
-    """The path of Mooncake executable ``name``: next to ``sys.executable``, else on PATH.
-
-    Raises ``StoreMissingDependency`` (one line: what to install) if it is absent or
-    if ``libibverbs.so.1``, which every Mooncake binary links even for TCP, is missing.
-    """
-    beside = Path(sys.executable).parent / name
-    path = str(beside) if os.access(beside, os.X_OK) else shutil.which(name)
-    if path is None:
-        raise StoreMissingDependency(
-            f"{name} not found next to {sys.executable} or on PATH; install it: {_INSTALL_MOONCAKE}"
-        )
-    _check_ibverbs()
-    return path
-
-
-def _check_ibverbs() -> None:
-    try:
-        ctypes.CDLL("libibverbs.so.1")
-    except OSError:
-        raise StoreMissingDependency(
-            "libibverbs.so.1 is missing (Mooncake links it even for TCP); "
-            "install it: apt-get install libibverbs1"
-        ) from None
-
-
-# --------------------------------------------------------------------------- master HTTP
-
-
-def _http_get(url: str, timeout: float) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            body: bytes = resp.read()
-            return body
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise StoreUnavailable(f"cannot read {url}: {reason}") from None
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
-    """Poll ``cond`` until it is true or ``timeout`` seconds passed; whether it became
-    true. A pool that does not answer yet (``KVPoolError``, ``OSError``) is "not yet"."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(KVPoolError, OSError):
-            if cond():
-                return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(step)
-
-
-def master_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:
-    """The master's ``/metrics`` as {sample name with labels: value}.
-
-    ``metrics_url`` is ``http://host:port`` (a trailing ``/metrics`` is accepted).
-    A sample keeps its labels in its name, e.g.
-    ``segment_total_capacity_bytes{segment="127.0.0.1:13047"}``.
-    Raises ``StoreUnavailable`` if the master does not answer within ``timeout``.
-    """
-    text = _http_get(_endpoint(metrics_url, "/metrics"), timeout).decode("utf-8", "replace")
-    return parse_metrics(text)
-
-
-def completed_puts(metrics: Mapping[str, float]) -> float:
-    """Objects whose put finished (PutEnd succeeded), from ``master_metrics``.
-
-    ``master_key_count`` also counts objects whose put has only started: a
-    client that exits before PutEnd leaves keys that no reader ever finds.
-    """
-    return (
-        metrics.get("master_put_end_requests_total", 0.0)
-        - metrics.get("master_put_end_failures_total", 0.0)
-        + metrics.get("master_batch_put_end_items_total", 0.0)
-        - metrics.get("master_batch_put_end_failed_items_total", 0.0)
-    )
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Samples of Prometheus text format as {name with labels: value}; comments skipped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        # name{labels} value [timestamp]; label values may hold spaces
-        cut = line.rfind("}") + 1 or line.find(" ")
-        name, fields = line[:cut].strip(), line[cut:].split()
-        try:
-            out[name] = float(fields[0])
-        except (IndexError, ValueError):
-            continue  # not a sample line
-    return out
-
-
-def master_health(metrics_url: str, timeout: float = 2.0) -> dict[str, Any]:
-    """The JSON of the master's ``/health`` (``service_ready``, ``role``, ...)."""
-    body = _http_get(_endpoint(metrics_url, "/health"), timeout)
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        raise StoreUnavailable(f"{metrics_url}/health did not answer JSON") from None
-    if not isinstance(data, dict):
-        raise StoreUnavailable(f"{metrics_url}/health did not answer a JSON object")
-    return data
-
-
-def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
-    """Every key on the master, from its admin endpoint ``/get_all_keys``.
-
-    One request, the whole list in memory: fine for ``kvpool status``, not for a hot
-    path. Raises ``StoreUnavailable`` if the master does not answer.
-    """
-    body = _http_get(_endpoint(metrics_url, "/get_all_keys"), timeout)
-    return [k for k in body.decode("utf-8", "replace").split("\n") if k]
-
-
-def segment_capacities(metrics: Mapping[str, float]) -> dict[str, float]:
-    """Mounted segments by name -> capacity in bytes, from ``master_metrics``."""
-    prefix = 'segment_total_capacity_bytes{segment="'
-    return {
-        name[len(prefix) : -2]: value
-        for name, value in metrics.items()
-        if name.startswith(prefix) and name.endswith('"}')
-    }
-
-
-def _endpoint(metrics_url: str, path: str) -> str:
-    return metrics_url.rstrip("/").removesuffix("/metrics") + path
-
-
-# --------------------------------------------------------------------------- namespaces
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceCount:
-    """Keys of one KV group of one kvpool namespace (model + config fingerprint)."""
-
-    model: str
-    fingerprint: str
-    group: int
-    keys: int
-    contents: int  # distinct content ids (head slot, dcp, pcp, pp) among those keys
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceSummary:
-    """``namespace_counts``'s answer: kvpool namespaces sorted, other keys counted."""
-
-    rows: tuple[NamespaceCount, ...]
-    other: int  # keys that are not kvpool keys of a known schema
-
-
-def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
-    """Group ``keys`` by (model, fingerprint, KV group) with ``keys.parse_key``."""
-    counts: Counter[tuple[str, str, int]] = Counter()
-    contents: dict[tuple[str, str, int], set[tuple[int, int, int, int]]] = {}
-    other = 0
-    for key in keys:
-        try:
-            k = parse_key(key)
-        except KeyFormatError:
-            other += 1
-            continue
-        c = k.content
-        ns = (k.model, k.fingerprint, c.group)
-        counts[ns] += 1
-        contents.setdefault(ns, set()).add((c.head_slot, c.dcp_rank, c.pcp_rank, c.pp_rank))
-    rows = tuple(NamespaceCount(*ns, counts[ns], len(contents[ns])) for ns in sorted(counts))
-    return NamespaceSummary(rows, other)
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def is_mooncake_process(pid: int, binary: str, marker: str) -> bool:
-    """Whether ``pid`` is a live ``binary`` process whose arguments include ``marker``.
-
-    Reads ``/proc/<pid>/cmdline``; the binary may appear as the exec'd ELF
-    (argv[0]) or as the Python console-script wrapper (argv[1]) before it execs.
-    A zombie has an empty cmdline and is not one.
-    """
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    words = [a.decode("utf-8", "replace") for a in argv if a]
-    return any(Path(a).name == binary for a in words[:2]) and marker in words
-
-
-_PR_SET_PDEATHSIG = 1
-_libc: ctypes.CDLL | None = None
-
-
-def _pdeathsig_hook() -> Callable[[], None]:
-    """A ``preexec_fn`` that asks for SIGTERM when the parent thread exits.
-
-    libc is loaded here, in the parent: the hook itself only makes one call.
-    """
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    libc = _libc
-
-    def hook() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-    return hook
-
-
-@dataclass
-class _Process:
-    """One child or one PID from a pool file, and what proves it is still ours."""
-
-    role: str  # "master" or "holder"
-    binary: str
-    pid: int
-    marker: str  # an argument only this process has, e.g. "--rpc_port=50051"
-    log_path: Path | None = None
-    popen: subprocess.Popen[bytes] | None = None
-    log_offset: int = 0  # where this run's output starts in log_path
-
-    def running(self) -> bool:
-        if self.popen is not None:
-            return self.popen.poll() is None
-        return is_mooncake_process(self.pid, self.binary, self.marker)
-
-    def exit_code(self) -> int | None:
-        return self.popen.poll() if self.popen is not None else None
-
-    def send(self, sig: signal.Signals) -> None:
-        if not self.running():  # for file PIDs: re-verified right before signalling
-            return
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            raise KVPoolError(
-                f"cannot stop the pool's {self.role} (pid {self.pid}): it belongs to another "
-                "user; stop it as that user"
-            ) from None
-
-    def wait_gone(self, timeout: float) -> bool:
-        if self.popen is not None:
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-        deadline = time.monotonic() + timeout
-        while self.running():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
-
-    def stop(self, timeout: float, sig: signal.Signals = signal.SIGTERM) -> None:
-        self.send(sig)
-        if sig is not signal.SIGKILL:
-            self.send(signal.SIGCONT)  # a frozen (SIGSTOPped) process must see it
-        if not self.wait_gone(timeout):
-            log.warning("%s (pid %d) ignored %s; killing it", self.role, self.pid, sig.name)
-            self.send(signal.SIGKILL)
-            if not self.wait_gone(timeout):
-                log.error("%s (pid %d) survived SIGKILL", self.role, self.pid)
-
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
-        if self.log_path is None:
-            return "(no log)"
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(self.log_offset)
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            return f"(cannot read {self.log_path})"
-        tail = [ln[:400] for ln in text.splitlines()[-lines:]]
-        return "\n".join(tail) if tail else "(log is empty)"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open together while picking)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _port_accepts(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
-def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not (host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"{address!r} is not HOST:PORT")
-    return host, int(port)
-
-
-def _spawn(
-    role: str, binary: str, args: list[str], marker: str, log_path: Path, detach: bool
-) -> _Process:
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as out:
-        offset = out.tell()
-        popen = subprocess.Popen(
-            [find_binary(binary), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=detach,
-            preexec_fn=None if detach else _pdeathsig_hook(),
-        )
-    log.info("started %s (pid %d): %s", role, popen.pid, " ".join(args))
-    return _Process(role, binary, popen.pid, marker, log_path, popen, offset)
-
-
-# --------------------------------------------------------------------------- LocalPool
-
-
 MIN_SEGMENT = 16 << 20  # mooncake_client aborts on a smaller global segment
+_START_ATTEMPTS = 3  # a port taken between picking and binding makes the master exit
 
 
 @dataclass
@@ -839,71 +459,5 @@ class LocalPool:
                 yield proc.role, proc.pid, proc.running()
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
 def _int(value: object, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-# --------------------------------------------------------------------------- status
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatus:
-    """What ``kvpool status`` shows. Counts are None when the master did not say."""
-
-    master_address: str
-    holder_address: str
-    metrics_url: str
-    processes: tuple[tuple[str, int, bool], ...]  # (role, pid, running) named by the handle
-    reachable: bool  # the master's metrics answered
-    error: str = ""  # why not, when not
-    keys: int | None = None
-    used_bytes: int | None = None
-    capacity_bytes: int | None = None
-    clients: int | None = None
-    segments: Mapping[str, int] = field(default_factory=dict)  # name -> capacity, bytes
-    namespaces: NamespaceSummary | None = None  # None if the master cannot list keys
-
-
-def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -> PoolStatus:
-    """Ask ``pool``'s master for its state; never raises for an unreachable master."""
-    base = PoolStatus(
-        master_address=pool.master_address,
-        holder_address=pool.holder_address,
-        metrics_url=pool.metrics_url,
-        processes=tuple(pool.processes()),
-        reachable=False,
-    )
-    try:
-        metrics = pool.metrics(timeout)
-    except StoreUnavailable as exc:
-        return replace(base, error=str(exc))
-    namespaces = None
-    if list_keys:
-        try:
-            namespaces = namespace_counts(master_keys(pool.metrics_url, timeout=5 * timeout))
-        except StoreUnavailable as exc:
-            log.info("cannot list keys: %s", exc)
-
-    def gauge(name: str) -> int | None:
-        value = metrics.get(name)
-        return None if value is None else int(value)
-
-    return replace(
-        base,
-        reachable=True,
-        keys=gauge("master_key_count"),
-        used_bytes=gauge("master_allocated_bytes"),
-        capacity_bytes=gauge("master_total_capacity_bytes"),
-        clients=gauge("master_active_clients"),
-        segments={name: int(cap) for name, cap in segment_capacities(metrics).items()},
-        namespaces=namespaces,
-    )

@@ -1,0 +1,114 @@
+"""The worker hooks' idle cost: what the vLLM connector's worker side spends per
+engine step when no request loads or saves.
+
+    measure_hook_overhead(config, steps) -> HookOverhead   measure; prints nothing
+
+The one bench module that imports the vLLM adapter (``kvpool.vllm``, and so
+vLLM itself: seconds), and only when called; ``run_transfer_bench`` imports
+this module only when it measures the hooks (``hook_steps`` > 0). Everything
+else it uses (the KV cache, its shape) is ``kvpool.bench.transfer``'s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+
+from kvpool.bench.transfer import HookOverhead, KiB, Progress, _KVCache, kv_shape_for
+from kvpool.config import PoolConfig
+from kvpool.errors import StoreError
+from kvpool.keys import KeySpace
+from kvpool.layout import Layout
+from kvpool.store.framed import FramedStore
+from kvpool.store.mooncake import MooncakeStore
+
+__all__ = ["measure_hook_overhead"]
+
+
+def _median_us(samples_ns: list[int]) -> float:
+    return statistics.median(samples_ns) / 1000.0
+
+
+def measure_hook_overhead(
+    config: PoolConfig, steps: int = 10_000, on_progress: Progress | None = None
+) -> HookOverhead:
+    """Median CPU cost per step of the worker side when no request loads or saves.
+
+    Builds a ``WorkerSide`` by hand (the connector's worker half, on a small KV
+    cache of 16 blocks, over ``FramedStore(MooncakeStore)``) and times, per step,
+    ``submit_save(job, [])`` + ``poll()`` on its engine, building an empty
+    ``KVPoolMetadata``, and the worker hooks the connector calls every step on
+    it (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
+    ``worker_meta``, ``interval_stats``), the last also alone. Imports vLLM (seconds).
+    """
+    from kvpool.settings import ConnectorSettings
+    from kvpool.vllm.identity import EngineIdentity
+    from kvpool.vllm.metadata import KVPoolMetadata
+    from kvpool.vllm.worker import WorkerSide
+
+    progress = on_progress or (lambda *_: None)
+    shape = kv_shape_for(256 * KiB)
+    kv = _KVCache(shape, 16)
+    layout = Layout.create(tp=1, groups=[f"gqa:{shape.kv_heads}"])
+    space = KeySpace.create(model="kvpool-bench/hooks", layout=layout, kv_dtype="float32",
+                            model_dtype="float32", chunk_size=shape.block_size,
+                            head_size=shape.head_size, num_layers=shape.layers)  # fmt: skip
+    identity = EngineIdentity(layout, space, shape.block_size, shape.block_size, 0)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=[name for name, _ in kv.layers])],
+        num_blocks=kv.num_blocks,
+    )
+
+    def open_store(cfg: PoolConfig) -> FramedStore:
+        return FramedStore(MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum)
+
+    worker = WorkerSide(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
+    worker.register(dict(kv.layers))
+    try:
+        engine = worker.engine
+        if engine is None:
+            raise StoreError(f"the worker could not open the pool at {config.master_address}")
+        phases = 4
+        progress("hooks", 0, phases)
+        clock = time.perf_counter_ns
+        empty: list[int] = []
+        for i in range(steps):
+            t = clock()
+            engine.submit_save(("idle", i), [])
+            engine.poll()
+            empty.append(clock() - t)
+        progress("hooks", 1, phases)
+        meta_ns: list[int] = []
+        for _ in range(steps):
+            t = clock()
+            KVPoolMetadata()
+            meta_ns.append(clock() - t)
+        progress("hooks", 2, phases)
+        hooks_ns: list[int] = []
+        for _ in range(steps):
+            meta = KVPoolMetadata()
+            t = clock()
+            worker.start_loads(meta)
+            worker.start_saves(meta)
+            worker.finished()
+            worker.load_errors()
+            worker.worker_meta()
+            worker.interval_stats()
+            hooks_ns.append(clock() - t)
+        progress("hooks", 3, phases)
+        stats_ns: list[int] = []
+        for _ in range(steps):
+            t = clock()
+            worker.interval_stats()
+            stats_ns.append(clock() - t)
+        progress("hooks", 4, phases)
+    finally:
+        worker.close()
+    return HookOverhead(
+        steps,
+        _median_us(empty),
+        _median_us(meta_ns),
+        _median_us(hooks_ns),
+        _median_us(stats_ns),
+    )

@@ -1,0 +1,139 @@
+"""The master's HTTP API (its metrics port): metrics, health and keys.
+
+    master_metrics(url)          the master's Prometheus ``/metrics`` as {sample: value}
+                                 (``parse_metrics(text)`` is the pure parser)
+    master_health(url)           the JSON object of ``/health`` (``service_ready``, ...)
+    master_keys(url)             every key the master knows (``/get_all_keys``)
+    completed_puts(metrics)      objects whose put finished, from ``master_metrics``
+    segment_capacities(metrics)  mounted segments -> capacity in bytes
+    wait_until(cond, timeout)    poll a condition on the pool (e.g. its key count)
+                                 against a deadline
+
+``url`` is the master's ``http://host:port`` (a trailing ``/metrics`` is
+accepted). A master that does not answer in time, or answers something else
+than asked, is ``StoreUnavailable``; the pure helpers never raise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvpool.errors import KVPoolError, StoreUnavailable
+
+__all__ = [
+    "completed_puts",
+    "master_health",
+    "master_keys",
+    "master_metrics",
+    "parse_metrics",
+    "segment_capacities",
+    "wait_until",
+]
+
+
+def _http_get(url: str, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body: bytes = resp.read()
+            return body
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise StoreUnavailable(f"cannot read {url}: {reason}") from None
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.1) -> bool:
+    """Poll ``cond`` until it is true or ``timeout`` seconds passed; whether it became
+    true. A pool that does not answer yet (``KVPoolError``, ``OSError``) is "not yet"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(KVPoolError, OSError):
+            if cond():
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+def master_metrics(metrics_url: str, timeout: float = 2.0) -> dict[str, float]:
+    """The master's ``/metrics`` as {sample name with labels: value}.
+
+    ``metrics_url`` is ``http://host:port`` (a trailing ``/metrics`` is accepted).
+    A sample keeps its labels in its name, e.g.
+    ``segment_total_capacity_bytes{segment="127.0.0.1:13047"}``.
+    Raises ``StoreUnavailable`` if the master does not answer within ``timeout``.
+    """
+    text = _http_get(_endpoint(metrics_url, "/metrics"), timeout).decode("utf-8", "replace")
+    return parse_metrics(text)
+
+
+def completed_puts(metrics: Mapping[str, float]) -> float:
+    """Objects whose put finished (PutEnd succeeded), from ``master_metrics``.
+
+    ``master_key_count`` also counts objects whose put has only started: a
+    client that exits before PutEnd leaves keys that no reader ever finds.
+    """
+    return (
+        metrics.get("master_put_end_requests_total", 0.0)
+        - metrics.get("master_put_end_failures_total", 0.0)
+        + metrics.get("master_batch_put_end_items_total", 0.0)
+        - metrics.get("master_batch_put_end_failed_items_total", 0.0)
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of Prometheus text format as {name with labels: value}; comments skipped."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        # name{labels} value [timestamp]; label values may hold spaces
+        cut = line.rfind("}") + 1 or line.find(" ")
+        name, fields = line[:cut].strip(), line[cut:].split()
+        try:
+            out[name] = float(fields[0])
+        except (IndexError, ValueError):
+            continue  # not a sample line
+    return out
+
+
+def master_health(metrics_url: str, timeout: float = 2.0) -> dict[str, Any]:
+    """The JSON of the master's ``/health`` (``service_ready``, ``role``, ...)."""
+    body = _http_get(_endpoint(metrics_url, "/health"), timeout)
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        raise StoreUnavailable(f"{metrics_url}/health did not answer JSON") from None
+    if not isinstance(data, dict):
+        raise StoreUnavailable(f"{metrics_url}/health did not answer a JSON object")
+    return data
+
+
+def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
+    """Every key on the master, from its admin endpoint ``/get_all_keys``.
+
+    One request, the whole list in memory: fine for ``kvpool status``, not for a hot
+    path. Raises ``StoreUnavailable`` if the master does not answer.
+    """
+    body = _http_get(_endpoint(metrics_url, "/get_all_keys"), timeout)
+    return [k for k in body.decode("utf-8", "replace").split("\n") if k]
+
+
+def segment_capacities(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Mounted segments by name -> capacity in bytes, from ``master_metrics``."""
+    prefix = 'segment_total_capacity_bytes{segment="'
+    return {
+        name[len(prefix) : -2]: value
+        for name, value in metrics.items()
+        if name.startswith(prefix) and name.endswith('"}')
+    }
+
+
+def _endpoint(metrics_url: str, path: str) -> str:
+    return metrics_url.rstrip("/").removesuffix("/metrics") + path

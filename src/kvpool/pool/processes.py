@@ -1,0 +1,203 @@
+"""The pool's child processes and loopback ports (package-internal but for the first two).
+
+    is_mooncake_process(pid, binary, marker)  whether ``pid`` is still that mooncake
+                                 process (``/proc/<pid>/cmdline``)
+    free_ports(n)                ``n`` distinct free 127.0.0.1 ports
+    _spawn(role, binary, ...)    start a child, its output appended to its log
+    _Process                     one child, or one PID read from a pool file:
+                                 ``running``, ``send``, ``stop`` (SIGTERM, wait,
+                                 SIGKILL fallback; reaps children), ``log_tail``
+
+A PID read from a file is signalled only while ``/proc/<pid>/cmdline`` still
+shows that mooncake process, so a stale file kills nothing else. Children get
+``MC_TCP_BIND_ADDRESS=127.0.0.1`` and, by default, ``PR_SET_PDEATHSIG``
+(SIGTERM when the thread that started them exits: no orphans after a crashed
+test run); ``detach`` starts them in a new session instead, to outlive the caller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.errors import ConfigError, KVPoolError
+from kvpool.pool.binaries import find_binary
+
+__all__ = ["LOOPBACK", "free_ports", "is_mooncake_process"]
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+_POLL_S = 0.02
+_LOG_TAIL_LINES = 15
+
+
+def is_mooncake_process(pid: int, binary: str, marker: str) -> bool:
+    """Whether ``pid`` is a live ``binary`` process whose arguments include ``marker``.
+
+    Reads ``/proc/<pid>/cmdline``; the binary may appear as the exec'd ELF
+    (argv[0]) or as the Python console-script wrapper (argv[1]) before it execs.
+    A zombie has an empty cmdline and is not one.
+    """
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    words = [a.decode("utf-8", "replace") for a in argv if a]
+    return any(Path(a).name == binary for a in words[:2]) and marker in words
+
+
+_PR_SET_PDEATHSIG = 1
+_libc: ctypes.CDLL | None = None
+
+
+def _pdeathsig_hook() -> Callable[[], None]:
+    """A ``preexec_fn`` that asks for SIGTERM when the parent thread exits.
+
+    libc is loaded here, in the parent: the hook itself only makes one call.
+    """
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc
+
+    def hook() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+    return hook
+
+
+@dataclass
+class _Process:
+    """One child or one PID from a pool file, and what proves it is still ours."""
+
+    role: str  # "master" or "holder"
+    binary: str
+    pid: int
+    marker: str  # an argument only this process has, e.g. "--rpc_port=50051"
+    log_path: Path | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    log_offset: int = 0  # where this run's output starts in log_path
+
+    def running(self) -> bool:
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return is_mooncake_process(self.pid, self.binary, self.marker)
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def send(self, sig: signal.Signals) -> None:
+        if not self.running():  # for file PIDs: re-verified right before signalling
+            return
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            raise KVPoolError(
+                f"cannot stop the pool's {self.role} (pid {self.pid}): it belongs to another "
+                "user; stop it as that user"
+            ) from None
+
+    def wait_gone(self, timeout: float) -> bool:
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout
+        while self.running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def stop(self, timeout: float, sig: signal.Signals = signal.SIGTERM) -> None:
+        self.send(sig)
+        if sig is not signal.SIGKILL:
+            self.send(signal.SIGCONT)  # a frozen (SIGSTOPped) process must see it
+        if not self.wait_gone(timeout):
+            log.warning("%s (pid %d) ignored %s; killing it", self.role, self.pid, sig.name)
+            self.send(signal.SIGKILL)
+            if not self.wait_gone(timeout):
+                log.error("%s (pid %d) survived SIGKILL", self.role, self.pid)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        if self.log_path is None:
+            return "(no log)"
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return f"(cannot read {self.log_path})"
+        tail = [ln[:400] for ln in text.splitlines()[-lines:]]
+        return "\n".join(tail) if tail else "(log is empty)"
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open together while picking)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _port_accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not (host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _spawn(
+    role: str, binary: str, args: list[str], marker: str, log_path: Path, detach: bool
+) -> _Process:
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as out:
+        offset = out.tell()
+        popen = subprocess.Popen(
+            [find_binary(binary), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=detach,
+            preexec_fn=None if detach else _pdeathsig_hook(),
+        )
+    log.info("started %s (pid %d): %s", role, popen.pid, " ".join(args))
+    return _Process(role, binary, popen.pid, marker, log_path, popen, offset)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True

@@ -1,0 +1,119 @@
+"""What ``kvpool status`` shows: one record of a pool's state, and its keys by namespace.
+
+    pool_status(pool)            one ``PoolStatus`` record: processes, key count,
+                                 bytes, clients, segments, namespaces
+    namespace_counts(keys)       keys grouped by kvpool namespace and KV group
+                                 (``NamespaceSummary``); other keys counted apart
+
+``pool_status`` never raises for an unreachable master: that is a field
+(``reachable``, ``error``); a master that cannot list its keys leaves
+``namespaces`` None. Counts the master did not report are None.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from kvpool.errors import KeyFormatError, StoreUnavailable
+from kvpool.keys import parse_key
+from kvpool.pool.local import LocalPool
+from kvpool.pool.master_api import master_keys, segment_capacities
+
+__all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceCount:
+    """Keys of one KV group of one kvpool namespace (model + config fingerprint)."""
+
+    model: str
+    fingerprint: str
+    group: int
+    keys: int
+    contents: int  # distinct content ids (head slot, dcp, pcp, pp) among those keys
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSummary:
+    """``namespace_counts``'s answer: kvpool namespaces sorted, other keys counted."""
+
+    rows: tuple[NamespaceCount, ...]
+    other: int  # keys that are not kvpool keys of a known schema
+
+
+def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
+    """Group ``keys`` by (model, fingerprint, KV group) with ``keys.parse_key``."""
+    counts: Counter[tuple[str, str, int]] = Counter()
+    contents: dict[tuple[str, str, int], set[tuple[int, int, int, int]]] = {}
+    other = 0
+    for key in keys:
+        try:
+            k = parse_key(key)
+        except KeyFormatError:
+            other += 1
+            continue
+        c = k.content
+        ns = (k.model, k.fingerprint, c.group)
+        counts[ns] += 1
+        contents.setdefault(ns, set()).add((c.head_slot, c.dcp_rank, c.pcp_rank, c.pp_rank))
+    rows = tuple(NamespaceCount(*ns, counts[ns], len(contents[ns])) for ns in sorted(counts))
+    return NamespaceSummary(rows, other)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """What ``kvpool status`` shows. Counts are None when the master did not say."""
+
+    master_address: str
+    holder_address: str
+    metrics_url: str
+    processes: tuple[tuple[str, int, bool], ...]  # (role, pid, running) named by the handle
+    reachable: bool  # the master's metrics answered
+    error: str = ""  # why not, when not
+    keys: int | None = None
+    used_bytes: int | None = None
+    capacity_bytes: int | None = None
+    clients: int | None = None
+    segments: Mapping[str, int] = field(default_factory=dict)  # name -> capacity, bytes
+    namespaces: NamespaceSummary | None = None  # None if the master cannot list keys
+
+
+def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -> PoolStatus:
+    """Ask ``pool``'s master for its state; never raises for an unreachable master."""
+    base = PoolStatus(
+        master_address=pool.master_address,
+        holder_address=pool.holder_address,
+        metrics_url=pool.metrics_url,
+        processes=tuple(pool.processes()),
+        reachable=False,
+    )
+    try:
+        metrics = pool.metrics(timeout)
+    except StoreUnavailable as exc:
+        return replace(base, error=str(exc))
+    namespaces = None
+    if list_keys:
+        try:
+            namespaces = namespace_counts(master_keys(pool.metrics_url, timeout=5 * timeout))
+        except StoreUnavailable as exc:
+            log.info("cannot list keys: %s", exc)
+
+    def gauge(name: str) -> int | None:
+        value = metrics.get(name)
+        return None if value is None else int(value)
+
+    return replace(
+        base,
+        reachable=True,
+        keys=gauge("master_key_count"),
+        used_bytes=gauge("master_allocated_bytes"),
+        capacity_bytes=gauge("master_total_capacity_bytes"),
+        clients=gauge("master_active_clients"),
+        segments={name: int(cap) for name, cap in segment_capacities(metrics).items()},
+        namespaces=namespaces,
+    )

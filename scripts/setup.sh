@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what kvpool needs on a fresh Debian machine, idempotently:
-# the Debian package libibverbs1 (Mooncake links it even for TCP) and a
-# virtual environment .venv with kvpool and its extras.
+# the Debian packages libibverbs1 (Mooncake links it even for TCP) and iproute2
+# (the hosts test tier), and a virtual environment .venv with kvpool and its extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +10,15 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 >/dev/null
+fi
+
+# iproute2 (`ip netns`): the hosts test tier simulates several hosts in network
+# namespaces.
+if ! command -v ip >/dev/null 2>&1; then
+  echo "setup: installing the Debian package iproute2" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -5,6 +5,7 @@
     tests/vllm/   -> marker ``vllm``   (a real vLLM engine on the CPU)
     tests/chaos/  -> marker ``chaos``  (the fault matrix: real pools and engines)
     tests/serve/  -> marker ``serve``  (real ``vllm serve`` processes, DP engines)
+    tests/hosts/  -> marker ``hosts``  (several simulated hosts: network namespaces)
 
 Fixtures:
     pool_factory  ``pool_factory(segment_size=256 MiB, with_holder=True, client_ttl=2,
@@ -38,7 +39,7 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvpool"))
 
 _TESTS = Path(__file__).parent
-_MARKERS = {"unit", "store", "vllm", "chaos", "serve"}
+_MARKERS = {"unit", "store", "vllm", "chaos", "serve", "hosts"}
 
 PoolFactory: TypeAlias = Callable[..., LocalPool]
 

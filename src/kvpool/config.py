@@ -19,8 +19,9 @@ import json
 import math
 import os
 import re
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "parse_size",
     "pool_file_path",
     "read_pool_file",
+    "route_address",
 ]
 
 ENV_PREFIX = "KVPOOL_"
@@ -242,4 +244,25 @@ def load_config(
     for name in _FIELDS:
         if (ENV_PREFIX + name.upper()) in env:
             values[name] = env[ENV_PREFIX + name.upper()]
-    return PoolConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    config = PoolConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    if config.local_hostname == "auto":
+        config = replace(config, local_hostname=route_address(config.master_address))
+    return config
+
+
+def route_address(master_address: str) -> str:
+    """This machine's address on the route to ``master_address`` (HOST:PORT): what a
+    client here advertises to the pool's other hosts (``local_hostname: auto``, as
+    a pool file of ``kvpool up --host`` says). Sends no packet."""
+    host = master_address.rpartition(":")[0]
+    if not host:
+        raise ConfigError("local_hostname 'auto' needs a master_address to find the route to")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # a UDP connect only picks the route
+            return str(s.getsockname()[0])
+    except OSError as exc:
+        raise ConfigError(
+            f"no route from this host to the master at {master_address} ({exc.strerror}); "
+            "set KVPOOL_LOCAL_HOSTNAME to this host's address"
+        ) from None

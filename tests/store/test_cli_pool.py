@@ -193,3 +193,22 @@ def test_a_second_up_while_one_is_starting_is_refused_and_starts_nothing(home: H
     assert not home.pool_file.exists()
     home.up()  # the lock is free again: a pool starts
     assert home.pool_file.exists()
+
+
+def test_up_on_an_address_this_machine_lacks_says_which_and_starts_nothing(home: Home) -> None:
+    r = home.kvpool("up", "--host", "192.0.2.1", "--segment-size", "128MB")  # TEST-NET-1
+    assert r.returncode == 2  # bad input
+    assert "--host '192.0.2.1' is not an IPv4 address of this machine" in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not home.pool_file.exists()
+
+
+def test_a_pool_file_of_another_host_makes_clients_advertise_their_own_address(
+    tmp_path: Path,
+) -> None:
+    from kvpool.config import load_config, route_address
+
+    pool_file = tmp_path / "pool.json"
+    data = {"master_address": "127.0.0.1:50051", "local_hostname": "auto"}
+    pool_file.write_text(json.dumps(data))
+    assert load_config({"pool_file": str(pool_file)}, env={}).local_hostname == "127.0.0.1"
+    assert route_address("127.0.0.1:1") == "127.0.0.1"

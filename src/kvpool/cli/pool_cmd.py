@@ -273,8 +273,21 @@ def _starting(pool_file: Path) -> Iterator[None]:
     metavar="URL",
     help="With --master: its metrics server (http://HOST:PORT), for health and status.",
 )
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="ADDR",
+    help="This host's address the master and holder bind and advertise; another host's "
+    "address for engines and holders there to reach the pool (the network must be private).",
+)
 def up(
-    segment_size: int, client_ttl: int, lease_ttl_ms: int, master: str | None, metrics_url: str
+    segment_size: int,
+    client_ttl: int,
+    lease_ttl_ms: int,
+    master: str | None,
+    metrics_url: str,
+    host: str,
 ) -> None:
     """Start a local pool (master + holder) in the background."""
     if metrics_url and master is None:
@@ -297,6 +310,7 @@ def up(
             master_address=master,
             metrics_url=metrics_url,
             detach=True,
+            host=host,
         )
         try:
             pool.write_pool_file(path)

@@ -26,7 +26,7 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -61,15 +61,17 @@ class EngineSession:
         name: str,
         env: dict[str, str] | None = None,
         on_progress: Callable[[int], None] | None = None,
+        wrap: Sequence[str] = (),
     ) -> EngineSession:
-        """Start the engine; ``on_progress(prompts done)`` with ``spec["progress"]``."""
+        """Start the engine; ``on_progress(prompts done)`` with ``spec["progress"]``;
+        ``wrap`` prefixes the command (e.g. ``ip netns exec h2``: another host)."""
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / f"{name}.json"
         path.write_text(json.dumps(spec))
         log_path = workdir / f"{name}.log"
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool.demo.engine", str(path)],
+                [*wrap, sys.executable, "-m", "kvpool.demo.engine", str(path)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -88,10 +90,11 @@ class EngineSession:
         name: str,
         env: dict[str, str] | None = None,
         on_progress: Callable[[int], None] | None = None,
+        wrap: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Run ``spec`` without interruption; its result, with the engine's stderr
         as ``"log"``. Waits as long as the engine lives."""
-        with cls.start(spec, workdir, name, env, on_progress) as session:
+        with cls.start(spec, workdir, name, env, on_progress, wrap) as session:
             phases = [session.next_phase(timeout=None) for _ in spec.get("phases", ())]
             result = session.finish(timeout=None)
             result["log"] = session.log()

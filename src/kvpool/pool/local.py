@@ -25,7 +25,8 @@
 Health is polled against a deadline, never slept for: the master is up when its
 process lives, its RPC port accepts and ``/health`` says ``service_ready``; a
 holder is up when its port accepts and (master metrics known) a new segment is
-mounted on the master. Every address is 127.0.0.1. Logs go to
+mounted on the master. Every address is ``host`` (127.0.0.1 unless given: another
+host's engines and holders reach the pool there). Logs go to
 ``<home>/master.log`` and ``<home>/holder.log`` (appended). Start pools from a
 long-lived thread unless ``detach=True`` (what ``kvpool up`` uses): see
 ``processes`` for the children's lifetime.
@@ -57,6 +58,7 @@ from kvpool.pool.processes import (
     _Process,
     _spawn,
     _split_address,
+    check_local_address,
     free_ports,
 )
 
@@ -71,7 +73,7 @@ _START_ATTEMPTS = 3  # a port taken between picking and binding makes the master
 
 @dataclass
 class LocalPool:
-    """A master and/or holder on loopback; build it with ``start`` or ``attach``."""
+    """A master and/or holder on ``host``; build it with ``start`` or ``attach``."""
 
     home: Path
     master_address: str
@@ -83,6 +85,7 @@ class LocalPool:
     detach: bool = False
     created: str = ""
     pool_file: Path | None = None
+    host: str = LOOPBACK  # the address the master and holder bind and advertise
     _master: _Process | None = field(default=None, init=False, repr=False)
     _holder: _Process | None = field(default=None, init=False, repr=False)
 
@@ -101,11 +104,14 @@ class LocalPool:
         metrics_url: str = "",
         detach: bool = False,
         timeout_s: float = 20.0,
+        host: str = LOOPBACK,
     ) -> LocalPool:
         """Start a pool under ``home`` and return once it is healthy.
 
         With ``master_address``, start only a holder against that existing master
         (``metrics_url`` optional, used for the health check and ``status``).
+        ``host`` is the address the processes bind and advertise (an address of
+        this machine; loopback by default): other hosts reach the pool there.
         Raises ``StoreMissingDependency`` if a binary or libibverbs is missing and
         ``StoreUnavailable`` (with the log tail) if a process exits or is not
         healthy within ``timeout_s``; whatever was started is stopped first.
@@ -120,6 +126,7 @@ class LocalPool:
         if master_address is not None and not with_holder:
             raise ConfigError("with an existing master, there is nothing to start but a holder")
         find_binary(MASTER_BINARY if master_address is None else HOLDER_BINARY)
+        check_local_address(host)
         pool = cls(
             home=home,
             master_address=master_address or "",
@@ -129,6 +136,7 @@ class LocalPool:
             lease_ttl_ms=lease_ttl_ms,
             detach=detach,
             created=datetime.now(UTC).isoformat(timespec="seconds"),
+            host=host,
         )
         try:
             if master_address is None:
@@ -168,6 +176,7 @@ class LocalPool:
             detach=True,
             created=str(data.get("created") or ""),
             pool_file=path,
+            host=str(data.get("host") or LOOPBACK),
         )
         master_pid = data.get("master_pid")
         if isinstance(master_pid, int) and master_pid > 0:
@@ -189,11 +198,11 @@ class LocalPool:
 
     def _start_master(self, timeout_s: float, ports: tuple[int, int] | None = None) -> None:
         for attempt in range(1, _START_ATTEMPTS + 1):
-            rpc_port, metrics_port = ports or free_ports(2)
+            rpc_port, metrics_port = ports or free_ports(2, self.host)
             args = [
-                f"--rpc_address={LOOPBACK}",
+                f"--rpc_address={self.host}",
                 f"--rpc_port={rpc_port}",
-                f"--metrics_host={LOOPBACK}",
+                f"--metrics_host={self.host}",
                 f"--metrics_port={metrics_port}",
                 f"--client_ttl={self.client_ttl}",
                 f"--default_kv_lease_ttl={self.lease_ttl_ms}",
@@ -206,10 +215,11 @@ class LocalPool:
                 f"--rpc_port={rpc_port}",
                 self.home / "master.log",
                 self.detach,
+                self.host,
             )
             self._master = proc
-            self.master_address = f"{LOOPBACK}:{rpc_port}"
-            self.metrics_url = f"http://{LOOPBACK}:{metrics_port}"
+            self.master_address = f"{self.host}:{rpc_port}"
+            self.metrics_url = f"http://{self.host}:{metrics_port}"
             if self._wait(proc, timeout_s, self._master_ready):
                 return
             proc.stop(2.0)
@@ -233,10 +243,10 @@ class LocalPool:
         before = set(self._segments())
         port = _split_address(self.holder_address)[1] if self.holder_address else 0
         for attempt in range(1, _START_ATTEMPTS + 1):
-            if not port or not _port_free(port):
-                port = free_ports(1)[0]
+            if not port or not _port_free(port, self.host):
+                port = free_ports(1, self.host)[0]
             args = [
-                f"--host={LOOPBACK}",
+                f"--host={self.host}",
                 f"--port={port}",
                 f"--global_segment_size={self.segment_size}",
                 "--metadata_server=P2PHANDSHAKE",
@@ -251,12 +261,13 @@ class LocalPool:
                 f"--port={port}",
                 self.home / "holder.log",
                 self.detach,
+                self.host,
             )
             self._holder = proc
-            self.holder_address = f"{LOOPBACK}:{port}"
+            self.holder_address = f"{self.host}:{port}"
 
             def ready(port: int = port) -> bool:
-                if not _port_accepts(LOOPBACK, port):
+                if not _port_accepts(self.host, port):
                     return False
                 # without the master's metrics, the service port (opened after the
                 # segment is mounted) is all we can see
@@ -416,7 +427,10 @@ class LocalPool:
             "metrics_url": self.metrics_url,
             "metadata_server": "P2PHANDSHAKE",
             "protocol": "tcp",
-            "local_hostname": LOOPBACK,
+            # Clients on this host advertise it; on other hosts "auto" resolves
+            # to their own address on the route to the master (config.load_config).
+            "local_hostname": LOOPBACK if self.host == LOOPBACK else "auto",
+            "host": self.host,
             "master_pid": self.master_pid,
             "holder_pid": self.holder_pid,
             "segment_size": self.segment_size,

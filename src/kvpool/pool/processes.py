@@ -2,7 +2,8 @@
 
     is_mooncake_process(pid, binary, marker)  whether ``pid`` is still that mooncake
                                  process (``/proc/<pid>/cmdline``)
-    free_ports(n)                ``n`` distinct free 127.0.0.1 ports
+    free_ports(n, host)          ``n`` distinct free ports (of 127.0.0.1 by default)
+    check_local_address(host)    ConfigError unless ``host`` is an address of this machine
     _spawn(role, binary, ...)    start a child, its output appended to its log
     _Process                     one child, or one PID read from a pool file:
                                  ``running``, ``send``, ``stop`` (SIGTERM, wait,
@@ -10,9 +11,10 @@
 
 A PID read from a file is signalled only while ``/proc/<pid>/cmdline`` still
 shows that mooncake process, so a stale file kills nothing else. Children get
-``MC_TCP_BIND_ADDRESS=127.0.0.1`` and, by default, ``PR_SET_PDEATHSIG``
-(SIGTERM when the thread that started them exits: no orphans after a crashed
-test run); ``detach`` starts them in a new session instead, to outlive the caller.
+``MC_TCP_BIND_ADDRESS`` = the pool's host (127.0.0.1 by default) and, by
+default, ``PR_SET_PDEATHSIG`` (SIGTERM when the thread that started them exits:
+no orphans after a crashed test run); ``detach`` starts them in a new session
+instead, to outlive the caller.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.pool.binaries import find_binary
 
-__all__ = ["LOOPBACK", "free_ports", "is_mooncake_process"]
+__all__ = ["LOOPBACK", "check_local_address", "free_ports", "is_mooncake_process"]
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +147,33 @@ class _Process:
         return "\n".join(tail) if tail else "(log is empty)"
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all held open together while picking)."""
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """``n`` distinct free ports of ``host`` (all held open together while picking)."""
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def check_local_address(host: str) -> None:
+    """``ConfigError`` unless ``host`` is an IP address of this machine (one a
+    process here can bind)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except (OSError, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(
+            f"--host {host!r} is not an IPv4 address of this machine ({reason}); give "
+            "the address other hosts reach this one at (see `ip -4 addr`), or leave "
+            "it out for loopback"
+        ) from None
 
 
 def _port_accepts(host: str, port: int) -> bool:
@@ -175,9 +192,15 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def _spawn(
-    role: str, binary: str, args: list[str], marker: str, log_path: Path, detach: bool
+    role: str,
+    binary: str,
+    args: list[str],
+    marker: str,
+    log_path: Path,
+    detach: bool,
+    host: str = LOOPBACK,
 ) -> _Process:
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS=LOOPBACK)
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS=host)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
         offset = out.tell()
@@ -194,10 +217,10 @@ def _spawn(
     return _Process(role, binary, popen.pid, marker, log_path, popen, offset)
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, host: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind((LOOPBACK, port))
+            s.bind((host, port))
         except OSError:
             return False
     return True

@@ -21,7 +21,7 @@ Mooncake's waits, each only if not set already: ``MC_STORE_CLIENT_SETUP_RETRIES`
 and ``MC_RPC_TIMEOUT_MS`` (from ``setup_timeout_s``: it bounds every call to the
 master, which otherwise waits 30 s on a hung one), ``MC_TCP_PROGRESS_TIMEOUT_SEC``
 and ``MC_TCP_STATUS_TIMEOUT_SEC`` (from ``transfer_timeout_s``), and
-``MC_TCP_BIND_ADDRESS`` when ``local_hostname`` is a loopback address.
+``MC_TCP_BIND_ADDRESS`` when ``local_hostname`` is an IP address.
 
 Calls use Mooncake's zero-copy multi-buffer batch API. Return codes map to
 statuses (0 or a byte count: OK; -200 NO_SPACE; -600 INVALID; -704 MISSING;
@@ -149,9 +149,9 @@ def _bound_waits(config: PoolConfig, env: dict[str, str] | os._Environ[str]) -> 
     seconds = str(max(1, round(config.transfer_timeout_s)))
     env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
     env.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(config.local_hostname).is_loopback:
-            env.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
+    with contextlib.suppress(ValueError):  # an address, not a name: bind where we advertise
+        ipaddress.ip_address(config.local_hostname)
+        env.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
 
 
 SEGMENTS_IN_FLIGHT = 1024  # per TCP/RDMA transfer call; see MooncakeStore._by_segments

@@ -1,0 +1,100 @@
+"""One pool across simulated hosts: a master and holder on host 1, a holder of host
+2 joined to it; the engine on host 2 uses its own holder through shared memory,
+the one on host 3 (no holder) reaches the pool over TCP."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+Host = Any  # tests/hosts/conftest.py's Host: name, address, wrap, env(), run()
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+_KVPOOL = "import sys; from kvpool.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpool.demo.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _kvpool(host: Host, home: Path, *args: str) -> str:
+    env = host.env(KVPOOL_HOME=str(home), PYTHONPATH=str(SRC))
+    r = host.run([sys.executable, "-c", _KVPOOL, *args], env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return str(r.stdout)
+
+
+@pytest.fixture
+def pool_files(hosts: list[Host], tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """``kvpool up --host`` on host 1 (master and holder), and host 2 joining it with
+    a holder of its own (``--master``); both pool files (on a shared disk, as NFS)."""
+    one, two = tmp_path / "host1-pool", tmp_path / "host2-pool"
+    _kvpool(hosts[0], one, "up", "--host", hosts[0].address, "--segment-size", "256MB",
+            "--client-ttl", "2")  # fmt: skip
+    try:
+        first = json.loads((one / "pool.json").read_text())
+        join = ["--master", first["master_address"], "--metrics-url", first["metrics_url"]]
+        _kvpool(hosts[1], two, "up", "--host", hosts[1].address, "--segment-size", "256MB", *join)
+        try:
+            yield one / "pool.json", two / "pool.json"
+        finally:
+            _kvpool(hosts[1], two, "down")
+    finally:
+        _kvpool(hosts[0], one, "down")
+
+
+def _engine(host: Host | None, model: Path, tmp: Path, name: str, pool_file: str = "") -> Any:
+    from kvpool.demo.session import EngineSession
+
+    rng = random.Random(3)
+    shared = [rng.randrange(10, 1000) for _ in range(256)]
+    spec: dict[str, Any] = {
+        "model": str(model),
+        "prompts": [
+            shared + [rng.randrange(10, 1000) for _ in range(40 + 7 * i)] for i in range(3)
+        ],
+        "max_tokens": 8,
+        "connector": "kvpool" if pool_file else "none",
+        "block_size": 32,
+    }
+    if pool_file:
+        spec["extra"] = {"pool_file": pool_file}
+        spec["log_level"] = "INFO"  # the worker says which path it moves KV over
+    pythonpath = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    if host is None:
+        return EngineSession.run(spec, tmp, name, env={"PYTHONPATH": pythonpath})
+    env = {"PYTHONPATH": pythonpath, "MC_TCP_BIND_ADDRESS": host.address}
+    return EngineSession.run(spec, tmp, name, env=env, wrap=host.wrap)
+
+
+def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
+    hosts: list[Host], pool_files: tuple[Path, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    host1_file, host2_file = pool_files
+    pool = json.loads(host1_file.read_text())
+    assert pool["master_address"].startswith(hosts[0].address + ":")
+    assert pool["local_hostname"] == "auto"  # each engine advertises its own address
+    base = _engine(None, tiny_model, tmp_path, "base")
+    # Host 2 has a holder: its engine uses it through shared memory. Host 3 has
+    # none: its engine reaches the pool over TCP.
+    a = _engine(hosts[1], tiny_model, tmp_path, "host2", str(host2_file))
+    b = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file))
+    for run in (a, b):
+        assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in base["results"]]
+        assert [r["logprobs"] for r in run["results"]] == [r["logprobs"] for r in base["results"]]
+    master = pool["master_address"]
+    assert f"to the pool at {master} over shared memory" in a["log"]
+    assert f"to the pool at {master} over tcp" in b["log"]
+    assert a["connector"]["bytes_saved"] > 0
+    assert b["results"][0]["cached_tokens"] >= 256  # host 3's prefix came from the pool
+    assert b["connector"]["chunks_loaded"] > 0 and not b["connector"]["failures"]

@@ -52,9 +52,12 @@ def test_waits_are_bounded_from_config_without_overriding_the_environment() -> N
         "MC_TCP_STATUS_TIMEOUT_SEC": "30",
         "MC_TCP_BIND_ADDRESS": "127.0.0.1",
     }
-    env = {}
+    env = {}  # another host's address: Mooncake binds where the client advertises
     adapter._bound_waits(PoolConfig(local_hostname="10.1.2.3", setup_timeout_s=3), env)
-    assert env["MC_STORE_CLIENT_SETUP_RETRIES"] == "1" and "MC_TCP_BIND_ADDRESS" not in env
+    assert env["MC_STORE_CLIENT_SETUP_RETRIES"] == "1" and env["MC_TCP_BIND_ADDRESS"] == "10.1.2.3"
+    env = {}  # a name, not an address: Mooncake's own choice
+    adapter._bound_waits(PoolConfig(local_hostname="node-7.cluster"), env)
+    assert "MC_TCP_BIND_ADDRESS" not in env
 
 
 class _Refuse(importlib.abc.MetaPathFinder):

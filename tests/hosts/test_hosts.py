@@ -96,5 +96,9 @@ def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
     assert f"to the pool at {master} over shared memory" in a["log"]
     assert f"to the pool at {master} over tcp" in b["log"]
     assert a["connector"]["bytes_saved"] > 0
+    # `kvpool status` on host 1 shows the pool's memory per host: both holders.
+    status = json.loads(_kvpool(hosts[0], host1_file.parent, "status", "--json"))
+    assert sorted(status["hosts"]) == [hosts[0].address, hosts[1].address]
+    assert sum(h["used_bytes"] for h in status["hosts"].values()) > 0
     assert b["results"][0]["cached_tokens"] >= 256  # host 3's prefix came from the pool
     assert b["connector"]["chunks_loaded"] > 0 and not b["connector"]["failures"]

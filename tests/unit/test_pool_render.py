@@ -111,6 +111,24 @@ def test_status_view_and_json() -> None:
     assert "master not answering" in down and "keys" not in down
 
 
+def test_a_pool_across_hosts_shows_memory_per_host() -> None:
+    two = _status(
+        segments={"10.0.0.1:13000": 1 << 30, "10.0.0.2:13000": 1 << 30, "10.0.0.2:13001": 1 << 30},
+        segments_used={"10.0.0.1:13000": 1 << 20, "10.0.0.2:13000": 2 << 20},
+    )
+    assert two.hosts() == {"10.0.0.1": (1, 1 << 20, 1 << 30), "10.0.0.2": (2, 2 << 20, 2 << 30)}
+    text = _render(status_view(two, Path("/p/pool.json")))
+    assert "10.0.0.1: 1.0 MiB used of 1.0 GiB (1 segment)" in text
+    assert "10.0.0.2: 2.0 MiB used of 2.0 GiB (2 segments)" in text
+    js = json.loads(json.dumps(status_json(two, Path("/p"))))
+    assert js["hosts"]["10.0.0.2"] == {
+        "segments": 2,
+        "used_bytes": 2 << 20,
+        "capacity_bytes": 2 << 30,
+    }
+    assert "hosts" not in _render(status_view(_status(), Path("/p")))  # one host: no row
+
+
 def test_up_summary_and_flag(tmp_path: Path) -> None:
     pool = LocalPool(
         home=tmp_path,

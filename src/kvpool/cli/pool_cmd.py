@@ -7,8 +7,9 @@
              held from the check to the written file: two at once never orphan a pool)
     down     stop the processes the pool file names (only while they are verifiably
              those mooncake processes) and remove the file; exits 1 without a pool
-    status   processes, keys, bytes used / capacity, clients, segments and keys per
-             kvpool namespace; exits 1 if the master does not answer
+    status   processes, keys, bytes used / capacity, clients, segments, memory per
+             host (a pool across hosts) and keys per kvpool namespace; exits 1 if
+             the master does not answer
 
 The pool file is ``kvpool.config.pool_file_path()`` (``$KVPOOL_POOL_FILE``, else
 ``$KVPOOL_HOME/pool.json``, else ``~/.kvpool/pool.json``); logs sit beside it.
@@ -119,6 +120,12 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
     t.add_row("clients", "?" if status.clients is None else str(status.clients))
     segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
     t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
+    hosts = status.hosts()
+    if len(hosts) > 1:  # a pool across hosts: memory per host
+        t.add_row("hosts", "\n".join(
+            f"{h}: {format_bytes(u)} used of {format_bytes(c)} ({n} segment{'s' * (n > 1)})"
+            for h, (n, u, c) in hosts.items()
+        ))  # fmt: skip
     return t
 
 
@@ -162,6 +169,10 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         "capacity_bytes": status.capacity_bytes,
         "clients": status.clients,
         "segments": dict(status.segments),
+        "hosts": {
+            h: {"segments": n, "used_bytes": u, "capacity_bytes": c}
+            for h, (n, u, c) in status.hosts().items()
+        },
         "namespaces": None
         if ns is None
         else {

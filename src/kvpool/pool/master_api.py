@@ -6,6 +6,7 @@
     master_keys(url)             every key the master knows (``/get_all_keys``)
     completed_puts(metrics)      objects whose put finished, from ``master_metrics``
     segment_capacities(metrics)  mounted segments -> capacity in bytes
+    segment_usage(metrics)       mounted segments -> bytes allocated to objects
     wait_until(cond, timeout)    poll a condition on the pool (e.g. its key count)
                                  against a deadline
 
@@ -33,6 +34,7 @@ __all__ = [
     "master_metrics",
     "parse_metrics",
     "segment_capacities",
+    "segment_usage",
     "wait_until",
 ]
 
@@ -127,7 +129,16 @@ def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
 
 def segment_capacities(metrics: Mapping[str, float]) -> dict[str, float]:
     """Mounted segments by name -> capacity in bytes, from ``master_metrics``."""
-    prefix = 'segment_total_capacity_bytes{segment="'
+    return _by_segment(metrics, "segment_total_capacity_bytes")
+
+
+def segment_usage(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Mounted segments by name -> bytes allocated to objects, from ``master_metrics``."""
+    return _by_segment(metrics, "segment_allocated_bytes")
+
+
+def _by_segment(metrics: Mapping[str, float], metric: str) -> dict[str, float]:
+    prefix = metric + '{segment="'
     return {
         name[len(prefix) : -2]: value
         for name, value in metrics.items()

@@ -1,7 +1,8 @@
 """What ``kvpool status`` shows: one record of a pool's state, and its keys by namespace.
 
     pool_status(pool)            one ``PoolStatus`` record: processes, key count,
-                                 bytes, clients, segments, namespaces
+                                 bytes, clients, segments, namespaces;
+                                 ``hosts()`` its memory per host
     namespace_counts(keys)       keys grouped by kvpool namespace and KV group
                                  (``NamespaceSummary``); other keys counted apart
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
 from kvpool.pool.local import LocalPool
-from kvpool.pool.master_api import master_keys, segment_capacities
+from kvpool.pool.master_api import master_keys, segment_capacities, segment_usage
 
 __all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
 
@@ -81,6 +82,16 @@ class PoolStatus:
     clients: int | None = None
     segments: Mapping[str, int] = field(default_factory=dict)  # name -> capacity, bytes
     namespaces: NamespaceSummary | None = None  # None if the master cannot list keys
+    segments_used: Mapping[str, int] = field(default_factory=dict)  # name -> bytes in use
+
+    def hosts(self) -> dict[str, tuple[int, int, int]]:
+        """Per host (a segment name's address part): (segments, bytes used, capacity)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for name, cap in self.segments.items():
+            host = name.rpartition(":")[0] or name
+            n, used, total = out.get(host, (0, 0, 0))
+            out[host] = (n + 1, used + self.segments_used.get(name, 0), total + cap)
+        return dict(sorted(out.items()))
 
 
 def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -> PoolStatus:
@@ -115,5 +126,6 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         capacity_bytes=gauge("master_total_capacity_bytes"),
         clients=gauge("master_active_clients"),
         segments={name: int(cap) for name, cap in segment_capacities(metrics).items()},
+        segments_used={name: int(n) for name, n in segment_usage(metrics).items()},
         namespaces=namespaces,
     )

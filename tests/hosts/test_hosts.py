@@ -53,7 +53,9 @@ def pool_files(hosts: list[Host], tmp_path: Path) -> Iterator[tuple[Path, Path]]
         _kvpool(hosts[0], one, "down")
 
 
-def _engine(host: Host | None, model: Path, tmp: Path, name: str, pool_file: str = "") -> Any:
+def _engine(
+    host: Host | None, model: Path, tmp: Path, name: str, pool_file: str = "", **extra: Any
+) -> Any:
     from kvpool.demo.session import EngineSession
 
     rng = random.Random(3)
@@ -68,7 +70,7 @@ def _engine(host: Host | None, model: Path, tmp: Path, name: str, pool_file: str
         "block_size": 32,
     }
     if pool_file:
-        spec["extra"] = {"pool_file": pool_file}
+        spec["extra"] = {"pool_file": pool_file, **extra}
         spec["log_level"] = "INFO"  # the worker says which path it moves KV over
     pythonpath = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
     if host is None:
@@ -102,3 +104,26 @@ def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
     assert sum(h["used_bytes"] for h in status["hosts"].values()) > 0
     assert b["results"][0]["cached_tokens"] >= 256  # host 3's prefix came from the pool
     assert b["connector"]["chunks_loaded"] > 0 and not b["connector"]["failures"]
+
+
+def test_a_host_cut_off_costs_misses_never_a_stall_or_a_wrong_answer(
+    hosts: list[Host], pool_files: tuple[Path, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Host 2 (a holder of the pool) loses its link after its engine saved: host 3's
+    engine still answers like an engine without kvpool, every request within the
+    load deadline and Mooncake's transfer timeout of a hit it cannot load."""
+    import subprocess
+
+    host1_file, host2_file = pool_files
+    base = _engine(None, tiny_model, tmp_path, "base")
+    saved = _engine(hosts[1], tiny_model, tmp_path, "host2", str(host2_file))
+    assert saved["connector"]["bytes_saved"] > 0
+    cut = ["ip", "-n", hosts[1].name, "link", "set", "eth0"]
+    subprocess.run([*cut, "down"], check=True)
+    try:
+        c = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file), load_timeout_s=2)
+    finally:
+        subprocess.run([*cut, "up"], check=True)
+    assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
+    slowest = max(r["total_s"] for r in c["results"])
+    assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s"  # deadline + transfer bound

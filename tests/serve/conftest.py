@@ -53,7 +53,9 @@ def serve(tiny_model: Path, local_pool: LocalPool, tmp_path: Path) -> Iterator[S
         wait_health: bool = True,
         connector: dict[str, Any] | None = None,
     ) -> VllmServer:
-        config = kv_transfer_config(pool_file, **(connector or {}))
+        # These tests assert hits: a lookup must not miss its 50 ms default deadline
+        # because a loaded CI machine scheduled the engine late (seen once).
+        config = kv_transfer_config(pool_file, **{"lookup_timeout_ms": 2000, **(connector or {})})
         args = [*ENGINE_ARGS, "--kv-transfer-config", config, *extra_args]
         server = VllmServer(tiny_model, tmp_path, _free_port(), args, name=name)
         servers.append(server)

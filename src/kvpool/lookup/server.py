@@ -124,16 +124,11 @@ class LookupServer:
         self._templates = _key_templates(layout, space)
         # Full-attention groups need every chunk of a hit; sliding-window groups
         # (``GroupSpec.window``) only the chunks of their window before it.
-        windows = [layout.groups[c.group].window for g in range(len(layout.groups))
-                   for c in layout.contents(g)]  # fmt: skip
-        self._full = tuple(t for t, w in zip(self._templates, windows, strict=True) if not w)
-        self._windowed = tuple(
-            (t, layout.groups[g]) for t, w, g in zip(
-                self._templates, windows,
-                (c.group for g in range(len(layout.groups)) for c in layout.contents(g)),
-                strict=True,
-            ) if w
-        )  # fmt: skip
+        specs = [layout.groups[c.group] for g in range(len(layout.groups))
+                 for c in layout.contents(g)]  # fmt: skip
+        pairs = list(zip(self._templates, specs, strict=True))
+        self._full = tuple(t for t, spec in pairs if not spec.window)
+        self._windowed = tuple((t, spec) for t, spec in pairs if spec.window)
         self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
         self._suppress_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Sets up (idempotently) and runs kvpool's checks: ruff, mypy and pytest.
-# Extra arguments go to pytest, e.g. `scripts/test.sh -m unit`.
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m unit`. Without any, the
+# whole suite runs as two pytest processes at once, of about equal length: the
+# engine tiers vllm and serve, and the rest (unit, store, chaos, hosts); each
+# prints its lines with a prefix, and the run fails if either does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -8,4 +11,19 @@ export MC_TCP_BIND_ADDRESS=127.0.0.1 MC_STORE_CLIENT_SETUP_RETRIES=1
 .venv/bin/ruff check src tests
 .venv/bin/ruff format --check src tests
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+stream() {  # stream NAME MARKERS: one pytest process, its lines prefixed with NAME
+  set +e
+  .venv/bin/python -m pytest -p no:cacheprovider -m "$2" 2>&1 | sed -u "s/^/[$1] /"
+  return "${PIPESTATUS[0]}"
+}
+stream engines "vllm or serve" &
+engines=$!
+rest=0
+stream rest "not (vllm or serve)" || rest=$?
+status=0
+wait "$engines" || status=$?
+echo "pytest: vllm and serve tiers exit $status, other tiers exit $rest"
+[ "$status" -eq 0 ] && [ "$rest" -eq 0 ]

@@ -70,7 +70,9 @@ def _engine(
         "block_size": 32,
     }
     if pool_file:
-        spec["extra"] = {"pool_file": pool_file, **extra}
+        # These tests assert hits, not lookup latency: a loaded machine must not turn a
+        # slow lookup into a miss.
+        spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **extra}
         spec["log_level"] = "INFO"  # the worker says which path it moves KV over
     pythonpath = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
     if host is None:

@@ -141,7 +141,9 @@ class ChaosContext:
             pool_file = extra.pop("pool_file", None)
             if pool_file is None and pool is not None:
                 pool_file = str(pool.write_pool_file(pool.home / "pool.json"))
-            spec["extra"] = {"pool_file": pool_file, **extra}
+            # Rows assert hits and misses, not lookup latency: a loaded machine must not
+            # turn a slow lookup into a miss (a row that tests the deadline sets its own).
+            spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **extra}
         if dtype:
             spec["dtype"] = dtype
         return spec

@@ -3,7 +3,7 @@
     KeySpace.create(...)      model identity + config fingerprint for one engine
                               configuration (everything that changes KV bytes
                               or the hash chain goes into the fingerprint)
-    KeySpace.key(c, h)        the key of content ``c`` (a layout.ContentId) for
+    KeySpace.key(c, h)        the key of shard ``c`` (a layout.ContentId) for
                               chunk hash ``h``
     parse_key(s)              the inverse of ``key``; ``format(parse_key(s)) == s``
     KeySpace.prefix           the prefix every key of this space starts with
@@ -12,12 +12,19 @@
 
 A key reads, left to right (``/`` separated)::
 
-    kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head_slot>.d<dcp>.c<pcp>.p<pp>/<hash hex>
+    kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head>.d<dcp>.c<pcp>.p<pp>/<hash hex>
 
 The model is its full name or path (percent-quoted where needed, ``/`` kept),
 so ``org-a/llama`` and ``org-b/llama`` never collide. Two configurations that
 differ in any byte-changing field have different fingerprints, hence disjoint
 keys: a bf16 and an fp32 engine of one model sharing a pool just miss.
+
+The TP size is not in the fingerprint: a shard is named by its global KV head
+(``layout``), so engines at TP1, TP2 and TP8 of one model read each other's
+objects. The exception is a model with a mamba group, whose state slices depend
+on tp: its fingerprint keeps tp. DCP, PCP and PP sizes stay in it (their token
+classes and layer stages differ between sizes). Schema 1 named rank slots, not
+heads; its objects are never probed (a miss), so old pools are harmless.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Protocol
 from urllib.parse import quote, unquote
 
 from kvpool.errors import KeyFormatError, LayoutError
-from kvpool.layout import ContentId, Layout
+from kvpool.layout import ContentId, GroupKind, Layout
 
 __all__ = [
     "OBJECT_FORMAT",
@@ -43,7 +50,7 @@ __all__ = [
     "parse_key",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: shards named by global KV head; tp left out of the fingerprint
 # The format of stored objects (``kvpool.header.FORMAT_VERSION``). It is part of
 # every fingerprint, so engines of different formats use different keys: an object
 # of another format is a miss, never read (and removed) as corrupt.
@@ -83,7 +90,7 @@ class ParsedKey:
         c = self.content
         return (
             f"{_ROOT}/{self.schema}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
-            f"g{c.group}.h{c.head_slot}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}/{self.chunk_hash}"
+            f"g{c.group}.h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}/{self.chunk_hash}"
         )
 
 
@@ -162,7 +169,6 @@ class KeySpace:
             "chunk_size": chunk_size,
             "head_size": head_size,
             "num_layers": num_layers,
-            "tp": layout.tp,
             "pp": layout.pp,
             "pcp": layout.pcp,
             "dcp": layout.dcp,
@@ -171,6 +177,8 @@ class KeySpace:
             "hash_seed": str(hash_seed),
             "extra": {k: extra[k] for k in sorted(extra)} if extra else {},
         }
+        if any(g.kind is GroupKind.MAMBA for g in layout.groups):
+            config["tp"] = layout.tp  # a state slice's bytes depend on tp
         blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
         return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config)
 

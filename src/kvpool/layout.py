@@ -5,24 +5,33 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
 
     Layout.create(...)        validate and normalise a layout (raises LayoutError
                               with the field to change)
-    Layout.content(r, g)      ContentId of what rank r holds for KV group g
-    Layout.replica_set(c)     ranks holding byte-identical content c (sorted)
-    Layout.writer(c, k)       the one rank that writes chunk k of content c
-    Layout.writes(r, g, k)    does rank r write chunk k of group g?
-    Layout.contents(g)        every distinct content of group g: the namespaces
-                              a lookup must probe, and exactly the ones read
+    Layout.holdings(r, g)     the shards (ContentIds) rank r holds of KV group g,
+                              in the order of its local KV heads
+    Layout.replica_set(c)     ranks holding shard c, byte-identical (sorted)
+    Layout.writer(c, k)       the one rank that writes chunk k of shard c
+    Layout.writes(r, c, k)    does rank r write chunk k of shard c?
+    Layout.contents(g)        every shard of group g: the keys a lookup must
+                              probe, and exactly the ones read
 
-Rules (``ContentId`` = (head_slot, dcp_rank, pcp_rank, pp_rank, group)):
+A shard is named by what it holds, never by who holds it, so engines of one
+model at different TP sizes name the same bytes alike and share them
+(``ContentId`` = (head, dcp_rank, pcp_rank, pp_rank, group)):
 
-* head_slot is ``tp_rank`` for gqa/mha when kv_heads >= tp, ``tp_rank //
-  (tp // kv_heads)`` when kv_heads < tp, ``0`` for mla (one latent replicated on
-  every TP rank) and ``tp_rank`` for mamba (state sharded by TP, never shared).
-* Ranks with equal ContentId hold identical bytes and form a replica set.
-* Writes are striped inside a replica set: chunk k of group g is written by
-  member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
+* head is the model's (global) KV-head index for gqa/mha: a rank holding
+  several KV heads holds one shard per head, in its local head order (vLLM
+  gives TP rank r the heads ``[r*H/tp, (r+1)*H/tp)``; with fewer heads than TP
+  ranks, head ``tp_rank // (tp // H)``, replicated). It is ``0`` for mla (one
+  latent replicated on every TP rank) and ``tp_rank`` for mamba (a state slice
+  whose bytes depend on tp, so it never names the same content across tp).
+* dcp_rank and pcp_rank name the token class, pp_rank the stage's layers; they
+  mean the same bytes only at equal dcp, pcp and pp (the fingerprint holds them).
+* Ranks holding an equal ContentId hold identical bytes and form its replica
+  set. Writes are striped inside it: chunk k of a shard of group g is written
+  by member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
   only on the absolute chunk index, so delta saves agree with earlier ones.
-* Every rank reads the content of its own ContentId. Since every ContentId has
-  at least one member, the keys read are exactly the keys written.
+* Every rank reads the shards it holds. Every shard has at least one holder,
+  so the keys read are exactly the keys written, in every layout and across
+  layouts that differ only in tp.
 
 Default rank coordinates follow vLLM's group construction: TP fastest, then
 PCP, then PP (``rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)``) and
@@ -136,11 +145,19 @@ class GroupSpec:
             return 1
         return max(1, tp // self.kv_heads)
 
-    def head_slot(self, tp: int, tp_rank: int) -> int:
-        """Which slice of this group TP rank ``tp_rank`` holds."""
+    def heads(self, tp: int, tp_rank: int) -> range:
+        """The shards TP rank ``tp_rank`` holds of this group, in its local order:
+        global KV-head indices for mha/gqa, ``0`` (the latent) for mla and the
+        rank's own state slice for mamba."""
         if self.kind is GroupKind.MLA:
-            return 0
-        return tp_rank // self.replication(tp)
+            return range(1)
+        if self.kind is GroupKind.MAMBA:
+            return range(tp_rank, tp_rank + 1)
+        if self.kv_heads >= tp:
+            per = self.kv_heads // tp
+            return range(tp_rank * per, (tp_rank + 1) * per)
+        first = tp_rank // self.replication(tp)
+        return range(first, first + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,9 +173,9 @@ class RankCoords:
 
 @dataclass(frozen=True, slots=True, order=True)
 class ContentId:
-    """What a rank holds for a KV group; equal ids mean byte-identical KV."""
+    """One shard of a KV group's chunk; equal ids mean byte-identical KV."""
 
-    head_slot: int
+    head: int
     dcp_rank: int
     pcp_rank: int
     pp_rank: int
@@ -252,12 +269,14 @@ class Layout:
 
     # -- content identity ----------------------------------------------------
 
-    def content(self, rank: int, group: int) -> ContentId:
-        """ContentId of rank ``rank`` for group ``group``; also the one it reads."""
+    def holdings(self, rank: int, group: int) -> tuple[ContentId, ...]:
+        """The shards rank ``rank`` holds of group ``group`` (also those it reads),
+        in the order of its local KV heads."""
         c = self.coord(rank)
         spec = self._group(group)
-        return ContentId(
-            spec.head_slot(self.tp, c.tp_rank), c.dcp_rank, c.pcp_rank, c.pp_rank, group
+        return tuple(
+            ContentId(h, c.dcp_rank, c.pcp_rank, c.pp_rank, group)
+            for h in spec.heads(self.tp, c.tp_rank)
         )
 
     def replica_set(self, content: ContentId) -> tuple[int, ...]:
@@ -280,16 +299,17 @@ class Layout:
             raise LayoutError(f"chunk index must be >= 0, got {chunk}")
         return members[(chunk + content.group) % len(members)]
 
-    def writes(self, rank: int, group: int, chunk: int) -> bool:
-        """Does ``rank`` write chunk ``chunk`` of ``group``?"""
-        return self.writer(self.content(rank, group), chunk) == rank
+    def writes(self, rank: int, content: ContentId, chunk: int) -> bool:
+        """Does ``rank`` write chunk ``chunk`` of shard ``content``?"""
+        return self.writer(content, chunk) == rank
 
-    def chunks_written(self, rank: int, group: int, chunks: Iterable[int]) -> list[int]:
-        """The chunks among ``chunks`` that ``rank`` writes for ``group``, in order."""
-        content = self.content(rank, group)
+    def chunks_written(self, rank: int, content: ContentId, chunks: Iterable[int]) -> list[int]:
+        """The chunks among ``chunks`` that ``rank`` writes of ``content``, in order."""
         members = self.replica_set(content)
+        if rank not in members:
+            raise LayoutError(f"rank {rank} does not hold {content}")
         f = len(members)
-        phase = members.index(rank) - group
+        phase = members.index(rank) - content.group
         return [k for k in chunks if (k - phase) % f == 0]
 
     # -- internals -----------------------------------------------------------
@@ -304,7 +324,8 @@ class Layout:
         table: dict[ContentId, list[int]] = {}
         for g in range(len(self.groups)):
             for r in self.ranks:
-                table.setdefault(self.content(r, g), []).append(r)
+                for c in self.holdings(r, g):
+                    table.setdefault(c, []).append(r)
         return {c: tuple(sorted(rs)) for c, rs in sorted(table.items())}
 
     def _check_coords(self) -> None:
@@ -336,12 +357,12 @@ class Layout:
                 continue  # state is per rank, not split into token shards
             shards: dict[tuple[int, int, int], set[int]] = {}
             for c in self.coords:
-                slot = spec.head_slot(self.tp, c.tp_rank)
-                shards.setdefault((slot, c.pcp_rank, c.pp_rank), set()).add(c.dcp_rank)
-            for (slot, pcp_rank, pp_rank), ds in shards.items():
+                for head in spec.heads(self.tp, c.tp_rank):
+                    shards.setdefault((head, c.pcp_rank, c.pp_rank), set()).add(c.dcp_rank)
+            for (head, pcp_rank, pp_rank), ds in shards.items():
                 if ds != set(range(self.dcp)):
                     raise LayoutError(
-                        f"group {g} ({spec}): head slot {slot} at pcp_rank {pcp_rank}, "
+                        f"group {g} ({spec}): KV head {head} at pcp_rank {pcp_rank}, "
                         f"pp_rank {pp_rank} has dcp ranks {sorted(ds)}, not 0..{self.dcp - 1}; "
                         "DCP groups must be made of TP ranks that hold the same KV heads"
                     )

@@ -5,6 +5,9 @@
     probe_keys(layout, space, hs) -> per chunk, the keys a lookup must find (every
                                      distinct content of every group: exactly the
                                      keys that the ranks will read)
+    read_across(plan, r, space)   -> per rank of reader layout ``r``: the objects it
+                                     reads per chunk and which writer ranks of
+                                     ``plan`` wrote them (engines at other TP sizes)
     reference_totals(layout)      -> Totals under vLLM's in-tree connector rule
                                      (de-dup switched off whenever dcp > 1)
     chunk_hashes(n)               -> n chained synthetic chunk hashes
@@ -20,16 +23,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.keys import KeySpace
-from kvpool.layout import GroupKind, Layout, RankCoords
+from kvpool.layout import ContentId, GroupKind, Layout, RankCoords
 
 __all__ = [
     "KeyIO",
     "Plan",
     "RankShare",
+    "ReaderRank",
     "Totals",
     "build_plan",
     "chunk_hashes",
     "probe_keys",
+    "read_across",
     "reference_totals",
 ]
 
@@ -46,12 +51,14 @@ class KeyIO:
 
 @dataclass(frozen=True, slots=True)
 class RankShare:
-    """One rank's part in one group: replica-set size and the fraction it writes."""
+    """One rank's part in one group: its shards, their replica-set size and the
+    fraction of each shard's chunks it writes."""
 
     rank: int
     group: int
-    replicas: int  # size of the rank's replica set
-    write_share: float  # fraction of this group's chunks the rank writes (1 / replicas)
+    shards: tuple[ContentId, ...]  # what the rank holds (and reads) of the group
+    replicas: int  # size of each shard's replica set (equal for all of a rank's shards)
+    write_share: float  # fraction of each shard's chunks the rank writes (1 / replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +104,7 @@ def probe_keys(
     layout: Layout, space: KeySpace, hashes: Sequence[bytes | str]
 ) -> list[tuple[str, ...]]:
     """For each chunk hash, the keys a lookup must find: one per distinct content
-    of every group. These are exactly the keys the ranks read (``Layout.content``)."""
+    of every group. These are exactly the keys the ranks read (``Layout.holdings``)."""
     contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
     return [tuple(space.key(c, h) for c in contents) for h in hashes]
 
@@ -111,12 +118,13 @@ def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:
     gets: list[KeyIO] = []
     for r in layout.ranks:
         for g in groups:
-            content = layout.content(r, g)
-            f = len(layout.replica_set(content))
-            shares.append(RankShare(r, g, f, 1.0 / f))
-            for k in layout.chunks_written(r, g, range(chunks)):
-                puts.append(KeyIO(r, g, k, space.key(content, hashes[k])))
-            gets.extend(KeyIO(r, g, k, space.key(content, hashes[k])) for k in range(chunks))
+            held = layout.holdings(r, g)
+            f = len(layout.replica_set(held[0]))
+            shares.append(RankShare(r, g, held, f, 1.0 / f))
+            for c in held:
+                for k in layout.chunks_written(r, c, range(chunks)):
+                    puts.append(KeyIO(r, g, k, space.key(c, hashes[k])))
+                gets.extend(KeyIO(r, g, k, space.key(c, hashes[k])) for k in range(chunks))
     groups_of = [c.group for g in groups for c in layout.contents(g)]
     lookups = [
         KeyIO(-1, groups_of[i], k, key)
@@ -128,6 +136,57 @@ def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:
     return Plan(
         layout, space, chunks, tuple(shares), tuple(puts), tuple(gets), tuple(lookups), totals
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderRank:
+    """One rank of a reader layout beside a writer's plan."""
+
+    rank: int
+    shards: tuple[tuple[ContentId, ...], ...]  # per group, what it reads
+    objects_per_chunk: int  # objects it reads per chunk, all groups
+    bytes_share: float  # its objects' bytes over one chunk's distinct bytes
+    writers: tuple[int, ...]  # writer ranks whose objects it reads (all chunks)
+
+
+def read_across(writer: Plan, reader: Layout, reader_space: KeySpace) -> tuple[ReaderRank, ...]:
+    """What each rank of ``reader`` reads of what ``writer``'s layout wrote, chunk by
+    chunk of the same prompt. Empty when the two share no key (another
+    fingerprint: other dcp, pcp or pp, another model config). Raises
+    ``LookupError`` if the reader needs a key the writer never writes (a broken
+    layout rule, never expected)."""
+    if reader_space != writer.space:
+        return ()
+    hashes = chunk_hashes(writer.chunks)
+    put_by = {p.key: p.rank for p in writer.puts}
+    sizes = [_shard_weight(reader, g) for g in range(len(reader.groups))]
+    distinct = sum(len(reader.contents(g)) * sizes[g] for g in range(len(reader.groups)))
+    out = []
+    for r in reader.ranks:
+        held = tuple(reader.holdings(r, g) for g in range(len(reader.groups)))
+        writers: set[int] = set()
+        for shards in held:
+            for c in shards:
+                for h in hashes:
+                    key = reader_space.key(c, h)
+                    if key not in put_by:
+                        raise LookupError(f"reader rank {r} needs {key}, which no writer puts")
+                    writers.add(put_by[key])
+        weight = sum(len(shards) * sizes[g] for g, shards in enumerate(held))
+        out.append(
+            ReaderRank(
+                r, held, sum(len(s) for s in held), weight / distinct, tuple(sorted(writers))
+            )
+        )
+    return tuple(out)
+
+
+def _shard_weight(layout: Layout, group: int) -> float:
+    """Relative bytes of one shard of ``group``: a PP stage holds 1/pp of the layers,
+    a token class 1/(dcp*pcp) of the tokens (1 for mamba state)."""
+    spec = layout.groups[group]
+    tokens = 1 if spec.kind is GroupKind.MAMBA else layout.dcp * layout.pcp
+    return 1.0 / (layout.pp * tokens)
 
 
 def reference_totals(layout: Layout) -> Totals:
@@ -147,5 +206,6 @@ def reference_totals(layout: Layout) -> Totals:
             (c.tp_rank // stride, c.pcp_rank, c.dcp_rank, c.pp_rank) for c in layout.coords
         }
         objects += len(namespaces)
-        distinct += len(layout.contents(g))
+        # Its objects hold a rank's whole slice: distinct slices, not KV heads.
+        distinct += len({layout.holdings(r, g) for r in layout.ranks})
     return Totals(objects, distinct, objects)

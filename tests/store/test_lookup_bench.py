@@ -15,12 +15,13 @@ def test_run_lookup_bench_answers_right_in_few_round_trips(local_pool: LocalPool
         local_pool.config(), prompts=(256, 32768), layouts=("tp1", "tp8-gqa8"), lookups=12
     )
     keys = [(c.layout, c.prompt_tokens, c.keys) for c in bench.cases]
-    assert keys == [("tp1", 256, 15), ("tp1", 32768, 2047), ("tp8-gqa8", 256, 120),
+    # Both layouts hold 8 KV heads, one key each per chunk (keys name heads, not ranks).
+    assert keys == [("tp1", 256, 120), ("tp1", 32768, 16376), ("tp8-gqa8", 256, 120),
                     ("tp8-gqa8", 32768, 16376)]  # fmt: skip
     for c in bench.cases:
         assert c.failures == 0
-        if c.prompt_tokens == 256:  # short: one round over every key, as before
-            assert c.exists_calls_max == 1 and c.keys_probed == c.keys
+        if c.prompt_tokens == 256:  # short: one round over every chunk, one head each
+            assert c.exists_calls_max == 1 and c.keys_probed == c.keys / 8
             assert c.round_trips_per_lookup == 1
         else:  # long: a few rounds of a few dozen chunks
             assert 1 < c.exists_calls_max <= 4 and c.keys_probed < c.keys / 10

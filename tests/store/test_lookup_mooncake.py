@@ -47,9 +47,10 @@ def read_keys(layout: Layout, space: KeySpace, chunk_hash: bytes) -> list[str]:
     """Every key some rank reads for this chunk."""
     return sorted(
         {
-            space.key(layout.content(r, g), chunk_hash)
+            space.key(c, chunk_hash)
             for r in layout.ranks
             for g in range(len(layout.groups))
+            for c in layout.holdings(r, g)
         }
     )
 

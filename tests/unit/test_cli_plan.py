@@ -95,3 +95,30 @@ def test_console_script_is_installed() -> None:
         check=True,
     )
     assert json.loads(out.stdout)["layout"]["tp"] == 2
+
+
+def test_plan_shows_a_reader_at_another_tp_beside_the_writer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Writer TP2 with 8 KV heads: a TP1 reader reads 8 objects per chunk from both
+    writer ranks; a TP4 rank reads 2, all from one writer rank. A model with a
+    mamba group shares nothing across TP sizes."""
+    rc, out, _ = run(capsys, "plan", "--tp", "2", "--kv-heads", "8", "--read-tp", "1", "--json")
+    assert rc == 0
+    reader = json.loads(out)["reader"]
+    assert reader["tp"] == 1 and reader["shares_keys"]
+    assert reader["ranks"] == [
+        {"rank": 0, "objects_per_chunk": 8, "bytes_share": 1.0, "writers": [0, 1]}
+    ]
+    rc, out, _ = run(capsys, "plan", "--tp", "2", "--kv-heads", "8", "--read-tp", "4", "--json")
+    ranks = json.loads(out)["reader"]["ranks"]
+    assert [(r["objects_per_chunk"], r["writers"]) for r in ranks] == [
+        (2, [0]), (2, [0]), (2, [1]), (2, [1])
+    ]  # fmt: skip
+    rc, out, _ = run(capsys, "plan", "--tp", "2", "--kv-heads", "8", "--read-tp", "1")
+    assert rc == 0 and "a reader at tp=1 beside this writer at tp=2" in out
+    args = ["plan", "--tp", "2", "--group", "gqa:8", "--group", "mamba", "--read-tp", "1"]
+    rc, out, _ = run(capsys, *args, "--json")
+    assert rc == 0 and json.loads(out)["reader"] == {"tp": 1, "shares_keys": False, "ranks": []}
+    rc, out, _ = run(capsys, *args)
+    assert rc == 0 and "shares no object" in out

@@ -429,7 +429,7 @@ any_text = st.text(st.characters(exclude_categories=()), max_size=80)  # surroga
 hex_hashes = st.binary(min_size=1, max_size=32).map(bytes.hex)
 contents = st.builds(
     ContentId,
-    head_slot=st.integers(0, 64),
+    head=st.integers(0, 64),
     dcp_rank=st.integers(0, 8),
     pcp_rank=st.integers(0, 8),
     pp_rank=st.integers(0, 8),
@@ -498,7 +498,7 @@ def test_any_model_name_makes_keys_that_parse_back_or_is_refused(model: str) -> 
     except LayoutError as exc:
         assert "model" in str(exc)
         return
-    key = space.key(layout.content(0, 0), b"\x01\x02")
+    key = space.key(layout.holdings(0, 0)[0], b"\x01\x02")
     assert key.startswith(space.prefix)
     parsed = parse_key(key)
     assert (parsed.model, parsed.fingerprint, str(parsed)) == (model, space.fingerprint, key)

@@ -10,17 +10,17 @@ from kvpool import header
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupKind, GroupSpec, Layout
 
-FINGERPRINT = "f966b65e087a20ef"
+FINGERPRINT = "442e826bb2bbfad8"
 KEY = (
-    "kvpool/1/meta-llama/Llama-3.1-8B/f966b65e087a20ef/g0.h1.d0.c0.p0/"
+    "kvpool/2/meta-llama/Llama-3.1-8B/442e826bb2bbfad8/g0.h5.d0.c0.p0/"
     "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
 )
 HEADER_WITH_CHECKSUM = (
-    "4b56504c02000100f966b65e087a20efbc2a5ba7fc1ee13f0000400000000000"
+    "4b56504c02000100442e826bb2bbfad8ffb10a57de0565030000400000000000"
     "efcdab8967452301000000000000000000000000000000000000000000000000"
 )
 HEADER_WITHOUT_CHECKSUM = (
-    "4b56504c02000000f966b65e087a20efbc2a5ba7fc1ee13f0000400000000000"
+    "4b56504c02000000442e826bb2bbfad8ffb10a57de0565030000400000000000"
     "0000000000000000000000000000000000000000000000000000000000000000"
 )
 
@@ -48,7 +48,7 @@ def test_the_fingerprint_of_a_fixed_config() -> None:
 
 def test_the_key_of_a_fixed_chunk() -> None:
     layout, space = _space()
-    assert space.key(layout.content(1, 0), bytes(range(32))) == KEY
+    assert space.key(layout.holdings(1, 0)[1], bytes(range(32))) == KEY
 
 
 def test_the_header_of_a_fixed_object() -> None:

@@ -47,7 +47,7 @@ def test_format_parse_round_trip(model: str, content: ContentId, h: bytes) -> No
 def test_key_is_human_readable() -> None:
     space = make_space()
     key = space.key(ContentId(1, 0, 0, 2, 0), bytes.fromhex("ab01"))
-    assert key == f"kvpool/1/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.p2/ab01"
+    assert key == f"kvpool/2/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.p2/ab01"
 
 
 def test_full_model_name_not_last_component() -> None:
@@ -66,13 +66,18 @@ def test_full_model_name_not_last_component() -> None:
         {"hash_algo": "sha256_cbor"},
         {"hash_seed": "42"},
         {"extra": {"revision": "abc"}},
-        {"layout": Layout.create(tp=1, groups=["gqa:2"])},
         {"layout": Layout.create(tp=2, groups=["gqa:4"])},
+        {"layout": Layout.create(tp=4, dcp=2, groups=["gqa:2"])},
         {"layout": Layout.create(tp=2, pp=2, groups=["gqa:2"])},
     ],
 )
 def test_every_byte_changing_field_changes_the_fingerprint(change: dict[str, Any]) -> None:
     assert make_space(**change).fingerprint != make_space().fingerprint
+
+
+def test_the_tp_size_does_not_change_the_fingerprint() -> None:
+    """Shards are named by global KV head, so TP1 and TP2 engines share keys."""
+    assert make_space(layout=Layout.create(tp=1, groups=["gqa:2"])) == make_space()
 
 
 def test_the_object_format_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:

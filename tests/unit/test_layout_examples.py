@@ -35,15 +35,17 @@ def test_tp4_single_kv_head_one_object_per_chunk_each_rank_writes_a_quarter(grou
     layout = Layout.create(tp=4, groups=[group])
     assert objects_per_chunk(layout) == 1
     for r in layout.ranks:
-        assert layout.chunks_written(r, 0, range(16)) == [k for k in range(16) if k % 4 == r]
+        (shard,) = layout.holdings(r, 0)
+        assert layout.chunks_written(r, shard, range(16)) == [k for k in range(16) if k % 4 == r]
 
 
 def test_tp4_dcp4_mla_four_objects_each_rank_writes_its_own() -> None:
     layout = Layout.create(tp=4, dcp=4, groups=["mla"])
     assert objects_per_chunk(layout) == 4
     for r in layout.ranks:
-        assert layout.replica_set(layout.content(r, 0)) == (r,)
-        assert layout.chunks_written(r, 0, range(8)) == list(range(8))
+        (shard,) = layout.holdings(r, 0)
+        assert layout.replica_set(shard) == (r,)
+        assert layout.chunks_written(r, shard, range(8)) == list(range(8))
 
 
 def test_tp8_dcp2_mla_two_objects_striped_four_ways() -> None:
@@ -51,21 +53,54 @@ def test_tp8_dcp2_mla_two_objects_striped_four_ways() -> None:
     assert objects_per_chunk(layout) == 2
     assert [layout.replica_set(c) for c in layout.contents(0)] == [(0, 2, 4, 6), (1, 3, 5, 7)]
     for r in layout.ranks:
-        assert len(layout.chunks_written(r, 0, range(16))) == 4
+        assert len(layout.chunks_written(r, layout.holdings(r, 0)[0], range(16))) == 4
     ref = reference_totals(layout)
     assert (ref.objects_per_chunk, ref.write_amplification) == (8, 4.0)
 
 
 def test_mamba_is_never_deduplicated() -> None:
     layout = Layout.create(tp=4, groups=["gqa:1", "mla", "mamba"])
-    assert [len(layout.replica_set(layout.content(0, g))) for g in range(3)] == [4, 4, 1]
+    assert [len(layout.replica_set(layout.holdings(0, g)[0])) for g in range(3)] == [4, 4, 1]
     assert objects_per_chunk(layout) == 1 + 1 + 4
+
+
+def test_a_rank_holds_one_shard_per_kv_head_named_by_its_global_index() -> None:
+    """GQA with 8 KV heads: TP1 holds all eight, TP2 rank 1 holds heads 4-7, TP16
+    ranks 2 and 3 both hold head 1 (replicated) and take turns writing it."""
+
+    def heads(layout: Layout, r: int) -> list[int]:
+        return [c.head for c in layout.holdings(r, 0)]
+
+    assert heads(Layout.create(tp=1, groups=["gqa:8"]), 0) == list(range(8))
+    assert heads(Layout.create(tp=2, groups=["gqa:8"]), 1) == [4, 5, 6, 7]
+    tp16 = Layout.create(tp=16, groups=["gqa:8"])
+    assert heads(tp16, 2) == heads(tp16, 3) == [1]
+    assert [tp16.writer(tp16.holdings(2, 0)[0], k) for k in range(4)] == [2, 3, 2, 3]
+    assert objects_per_chunk(Layout.create(tp=1, groups=["gqa:8"])) == 8
+    assert objects_per_chunk(tp16) == 8
+
+
+def test_tp_sizes_of_one_model_share_keys_and_other_sizes_do_not() -> None:
+    """The fingerprint leaves tp out (shards are named by head), but keeps pp, dcp
+    and pcp, and keeps tp for a model with a mamba group (state slices depend on tp)."""
+    one, two = Layout.create(tp=1, groups=["gqa:8"]), Layout.create(tp=2, groups=["gqa:8"])
+    assert space(one) == space(two)
+    assert space(one).key(one.holdings(0, 0)[5], b"x") == space(two).key(
+        two.holdings(1, 0)[1], b"x"
+    )
+    assert space(Layout.create(tp=1, pp=2, groups=["gqa:8"])) != space(one)
+    assert space(Layout.create(tp=1, pcp=2, groups=["gqa:8"])) != space(one)
+    mla = Layout.create(tp=2, groups=["mla"])
+    assert space(Layout.create(tp=2, dcp=2, groups=["mla"])) != space(mla)
+    assert space(Layout.create(tp=8, groups=["mla"])) == space(mla)
+    m1, m2 = (Layout.create(tp=t, groups=["gqa:8", "mamba"]) for t in (1, 2))
+    assert space(m1).fingerprint != space(m2).fingerprint
 
 
 def test_groups_rotate_their_writer_phase() -> None:
     layout = Layout.create(tp=4, groups=["mla", "mla"])
-    assert layout.writer(layout.content(0, 0), 0) == 0
-    assert layout.writer(layout.content(0, 1), 0) == 1
+    assert layout.writer(layout.holdings(0, 0)[0], 0) == 0
+    assert layout.writer(layout.holdings(0, 1)[0], 0) == 1
 
 
 @pytest.mark.parametrize("dcp", [1, 4])
@@ -140,7 +175,7 @@ def test_engine_given_coordinates_are_used() -> None:
     # An engine whose DCP ranks run the other way round inside each DCP group.
     coords = [RankCoords(r, r, 0, 0, 1 - r % 2) for r in range(4)]
     layout = Layout.create(tp=4, dcp=2, groups=["mla"], coords=coords)
-    assert layout.content(0, 0).dcp_rank == 1
+    assert layout.holdings(0, 0)[0].dcp_rank == 1
     plan = build_plan(layout, space(layout), 4)
     assert {g.key for g in plan.gets} <= {p.key for p in plan.puts}
 

@@ -1,9 +1,11 @@
-"""Property tests: for every valid layout, who writes and who reads agree.
+"""Property tests: for every valid layout, who writes and who reads agree, and
+for every pair of layouts of one model at different TP sizes too.
 
 The invariants are checked over the whole plan (``kvpool.plan.build_plan``) of
 random layouts: tp <= 16, pp <= 4, pcp <= 2, dcp | tp, kv_heads in
 {1, 2, 4, 8, 16, 32}, 1-3 groups of mixed kinds. Byte identity is checked
-against an independent model of what each rank physically holds.
+against an independent model of what each rank physically holds per local KV
+head (``physical_heads``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from hypothesis import strategies as st
 
 from kvpool.errors import LayoutError
 from kvpool.keys import KeySpace
-from kvpool.layout import GroupKind, GroupSpec, Layout
-from kvpool.plan import build_plan
+from kvpool.layout import ContentId, GroupKind, GroupSpec, Layout
+from kvpool.plan import build_plan, chunk_hashes
 
 KV_HEADS = [1, 2, 4, 8, 16, 32]
 
@@ -89,25 +91,45 @@ def space_for(layout: Layout, **overrides: object) -> KeySpace:
     return KeySpace.create(**fields)  # type: ignore[arg-type]
 
 
-def physical_content(layout: Layout, rank: int, group: int) -> tuple[object, ...]:
-    """What a rank holds, from first principles (not via ContentId):
-    the set of KV heads (or latent / state shard), the token shard and the layers."""
+def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
+    """What a rank holds of a group, per local KV head in its tensor's order, from
+    first principles (vLLM's sharding of KV heads; not via ContentId): the global
+    KV head, the latent, or a TP-sized state slice, with the token shard and the
+    layers of its stage."""
     c = layout.coord(rank)
     spec = layout.groups[group]
     tp = layout.tp
+    heads: list[object]
     if spec.kind is GroupKind.MLA:
-        heads: frozenset[object] = frozenset({"latent"})
+        heads = ["latent"]
     elif spec.kind is GroupKind.MAMBA:
-        heads = frozenset({("state-shard", c.tp_rank)})
+        heads = [("state-slice", c.tp_rank, tp)]
     elif spec.kv_heads >= tp:
         per = spec.kv_heads // tp
-        heads = frozenset(range(c.tp_rank * per, (c.tp_rank + 1) * per))
+        heads = list(range(c.tp_rank * per, (c.tp_rank + 1) * per))
     else:
-        heads = frozenset({c.tp_rank * spec.kv_heads // tp})
+        heads = [c.tp_rank * spec.kv_heads // tp]
     # Token shards: DCP splits tokens among ranks that share heads, PCP splits
-    # them again. Mamba state is never treated as shared between ranks.
-    tokens = (c.dcp_rank, c.pcp_rank)
-    return (group, heads, tokens, ("layers of stage", c.pp_rank))
+    # them again (at equal dcp and pcp sizes, rank d holds the same tokens).
+    tokens = (c.dcp_rank, layout.dcp, c.pcp_rank, layout.pcp)
+    layers = ("stage", c.pp_rank, layout.pp)
+    return [(group, h, tokens, layers) for h in heads]
+
+
+def object_contents(layout: Layout, space: KeySpace, chunks: int) -> dict[tuple[int, str], object]:
+    """(rank, key) -> the physical content behind it, for every key each rank reads:
+    the rank's i-th shard of a group is its i-th local KV head."""
+    out: dict[tuple[int, str], object] = {}
+    hashes = chunk_hashes(chunks)
+    for r in layout.ranks:
+        for g in range(len(layout.groups)):
+            shards = layout.holdings(r, g)
+            phys = physical_heads(layout, r, g)
+            assert len(shards) == len(phys), (r, g)
+            for shard, what in zip(shards, phys, strict=True):
+                for h in hashes:
+                    out[(r, space.key(shard, h))] = what
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -116,7 +138,9 @@ def test_every_get_is_put_by_exactly_one_rank_with_same_content(
     args: dict[str, object], chunks: int, _offset: int
 ) -> None:
     layout = make_layout(args)
-    plan = build_plan(layout, space_for(layout), chunks)
+    space = space_for(layout)
+    plan = build_plan(layout, space, chunks)
+    holds = object_contents(layout, space, chunks)
 
     writers: dict[str, list[int]] = defaultdict(list)
     for p in plan.puts:
@@ -125,12 +149,10 @@ def test_every_get_is_put_by_exactly_one_rank_with_same_content(
     assert all(len(rs) == 1 for rs in writers.values()), "a key has several writers"
     for g in plan.gets:
         assert g.key in writers, f"rank {g.rank} reads {g.key} that nobody writes"
-        w = writers[g.key][0]
-        assert layout.content(w, g.group) == layout.content(g.rank, g.group)
-        # ... and the writer physically holds the same bytes as the reader.
-        assert physical_content(layout, w, g.group) == physical_content(layout, g.rank, g.group)
+        # ... and the writer physically holds the bytes the reader expects there.
+        assert holds[(writers[g.key][0], g.key)] == holds[(g.rank, g.key)]
 
-    # Write amplification exactly 1.0: puts per chunk == distinct contents.
+    # Write amplification exactly 1.0: puts per chunk == distinct shards.
     distinct = sum(len(layout.contents(g)) for g in range(len(layout.groups)))
     per_chunk = Counter(p.chunk for p in plan.puts)
     assert set(per_chunk.values()) == {distinct}
@@ -147,11 +169,62 @@ def test_every_get_is_put_by_exactly_one_rank_with_same_content(
 def test_content_id_equality_is_physical_identity(args: dict[str, object]) -> None:
     layout = make_layout(args)
     for g in range(len(layout.groups)):
-        for a in layout.ranks:
-            for b in layout.ranks:
-                same_id = layout.content(a, g) == layout.content(b, g)
-                same_bytes = physical_content(layout, a, g) == physical_content(layout, b, g)
-                assert same_id == same_bytes, (a, b, g)
+        ids: dict[ContentId, object] = {}
+        for r in layout.ranks:
+            for shard, what in zip(
+                layout.holdings(r, g), physical_heads(layout, r, g), strict=True
+            ):
+                assert ids.setdefault(shard, what) == what, (r, g, shard)
+        # ... and distinct shards are distinct contents.
+        assert len(set(ids.values())) == len(ids) == len(layout.contents(g))
+
+
+@st.composite
+def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]:
+    """A writer and a reader layout of one model: equal pp, pcp, dcp and groups,
+    any two TP sizes that both fit the model."""
+    args = draw(layout_args())
+    dcp = args["dcp"]
+    assert isinstance(dcp, int)
+    other = dict(args, tp=draw(st.sampled_from([t for t in range(1, 17) if t % dcp == 0])))
+    other["dp_index"] = draw(st.integers(0, 7))
+    return (args, other) if draw(st.booleans()) else (other, args)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout_pairs(), st.integers(1, 6))
+def test_a_reader_at_another_tp_finds_every_byte_written_once_and_never_another(
+    pair: tuple[dict[str, object], dict[str, object]], chunks: int
+) -> None:
+    """For a writer layout W and a reader layout R of the same model (TP differs):
+    every object R reads was written by exactly one rank of W, which physically
+    held the bytes R expects under that key; no key of W or R ever names two
+    contents. A model with a mamba group shares nothing across TP sizes."""
+    w_layout, r_layout = make_layout(pair[0]), make_layout(pair[1])
+    w_space, r_space = space_for(w_layout), space_for(r_layout)
+    w_plan = build_plan(w_layout, w_space, chunks)
+    w_holds = object_contents(w_layout, w_space, chunks)
+    r_holds = object_contents(r_layout, r_space, chunks)
+    writers: dict[str, list[int]] = defaultdict(list)
+    for p in w_plan.puts:
+        writers[p.key].append(p.rank)
+    content: dict[str, object] = {}
+    for (_, key), what in [*w_holds.items(), *r_holds.items()]:
+        assert content.setdefault(key, what) == what, f"{key} names two contents"
+    mamba = any(g.kind is GroupKind.MAMBA for g in w_layout.groups)
+    read = {key for _, key in r_holds}
+    if mamba and w_layout.tp != r_layout.tp:
+        assert not read & set(writers)  # another fingerprint: misses, never wrong bytes
+        return
+    assert w_space == r_space
+    for (r, key), what in r_holds.items():
+        assert len(writers[key]) == 1, f"reader rank {r}: {key} written {len(writers[key])}x"
+        assert w_holds[(writers[key][0], key)] == what
+    # Objects a reader rank reads per chunk: exactly its own shards.
+    per_rank = Counter(r for r, _ in r_holds)
+    for r in r_layout.ranks:
+        want = sum(len(r_layout.holdings(r, g)) for g in range(len(r_layout.groups)))
+        assert per_rank[r] == want * chunks
 
 
 @settings(max_examples=200, deadline=None)
@@ -163,10 +236,11 @@ def test_writer_depends_only_on_absolute_chunk_index(
     layout = make_layout(args)
     for g in range(len(layout.groups)):
         for r in layout.ranks:
-            full = layout.chunks_written(r, g, range(start + n))
-            delta = layout.chunks_written(r, g, range(start, start + n))
-            assert delta == [k for k in full if k >= start]
-            assert all(layout.writes(r, g, k) for k in delta)
+            for c in layout.holdings(r, g):
+                full = layout.chunks_written(r, c, range(start + n))
+                delta = layout.chunks_written(r, c, range(start, start + n))
+                assert delta == [k for k in full if k >= start]
+                assert all(layout.writes(r, c, k) for k in delta)
 
 
 @settings(max_examples=200, deadline=None)
@@ -189,9 +263,10 @@ def test_different_contents_and_configs_never_share_a_key(
 ) -> None:
     layout = make_layout(args)
     base = build_plan(layout, space_for(layout), chunks)
+    holds = object_contents(layout, space_for(layout), chunks)
     by_key: dict[str, tuple[object, ...]] = {}
     for p in base.puts:
-        ident = (layout.content(p.rank, p.group), p.chunk)
+        ident = (holds[(p.rank, p.key)], p.chunk)
         assert by_key.setdefault(p.key, ident) == ident
     for change in (
         {"kv_dtype": "float32"},

@@ -61,9 +61,10 @@ def space_of(layout: Layout, model: str = "org/lookup-test") -> KeySpace:
 def read_keys(layout: Layout, space: KeySpace, chunk_hash: bytes) -> list[str]:
     """Every key some rank reads for this chunk (the reference for a hit)."""
     keys = {
-        space.key(layout.content(r, g), chunk_hash)
+        space.key(c, chunk_hash)
         for r in layout.ranks
         for g in range(len(layout.groups))
+        for c in layout.holdings(r, g)
     }
     return sorted(keys)
 
@@ -234,10 +235,11 @@ def test_hits_of_nothing_a_prefix_and_everything(service: Service, name: str) ->
 def test_a_chunk_counts_only_if_every_namespace_of_every_group_has_it(
     service: Service, name: str
 ) -> None:
+    """An exact server (``kv_load_failure_policy: fail``) finds every hole."""
     layout = LAYOUTS[name]
     space = space_of(layout)
     store = MemoryStore()
-    server = service.server(store, layout, space)
+    server = service.server(store, layout, space, exact=True)
     client = service.client()
     n = 4
     namespaces = len(read_keys(layout, space, b"\x00"))
@@ -250,6 +252,31 @@ def test_a_chunk_counts_only_if_every_namespace_of_every_group_has_it(
             put(store, keys)
             assert client.lookup("r", hashes, n * CHUNK + 1) == chunk * CHUNK, (chunk, hole)
     assert server.stats.store_calls == n * namespaces
+
+
+def test_the_search_asks_one_head_per_chunk_rotating_and_never_answers_short(
+    service: Service,
+) -> None:
+    """TP1 with 4 KV heads: a search round asks for head ``chunk % 4`` of each chunk
+    (4x fewer keys). A hole in that head is found; a hole in another head is left to
+    the load, which fails for those blocks: the answer is never below the prefix."""
+    layout = Layout.create(tp=1, groups=["gqa:4"])
+    space = space_of(layout)
+    store = MemoryStore()
+    server = service.server(store, layout, space)
+    client = service.client()
+    n = 4
+    for chunk in range(n):
+        for head in range(4):
+            hashes = chunk_hashes(n, seed=f"rotate/{chunk}/{head}".encode())
+            keys = [k for h in hashes for k in read_keys(layout, space, h)]
+            del keys[chunk * 4 + head]
+            put(store, keys)
+            before = server.stats.keys_probed
+            hit = client.lookup("r", hashes, n * CHUNK + 1)
+            assert hit == (chunk if head == chunk % 4 else n) * CHUNK, (chunk, head)
+            # one key per chunk (a short prompt: one round over every chunk)
+            assert server.stats.keys_probed - before == n
 
 
 def test_a_full_prompt_hit_leaves_the_last_token_to_compute(service: Service) -> None:

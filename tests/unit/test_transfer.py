@@ -184,13 +184,13 @@ def test_striped_ranks_write_shares_and_a_fresh_rank_reads_all(store: KVStore) -
         num_layers=2,
     )
     hashes = chunk_hashes(12)
-    content = layout.content(0, 0)
+    (content,) = layout.holdings(0, 0)
     keys = [space.key(content, h) for h in hashes]
     src = mla_layers(2)
     randomize(src, 3)
     written = []
     for rank in layout.ranks:
-        mine = layout.chunks_written(rank, 0, range(12))
+        mine = layout.chunks_written(rank, content, range(12))
         e = engine(store, src)
         e.submit_save(rank, [ChunkRef(keys[k], 0, k, (2 * k, 2 * k + 1)) for k in mine])
         (res,) = e.wait([rank], timeout=30)

@@ -26,23 +26,24 @@ from kvpool.vllm.worker import WorkerSide
 B, NB = 32, 16  # tokens per block, blocks
 
 
-def identity() -> EngineIdentity:
-    layout = Layout.create(tp=1, groups=["gqa:2"])
+def identity(tp: int = 1, kv_heads: int = 1) -> EngineIdentity:
+    layout = Layout.create(tp=tp, groups=[f"gqa:{kv_heads}"])
     space = KeySpace.create(
         model="m",
         layout=layout,
         kv_dtype="f32",
         model_dtype="f32",
         chunk_size=B,
-        head_size=32,
+        head_size=64,
         num_layers=2,
     )
     return EngineIdentity(layout, space, B, B, 0)
 
 
-def kv_caches() -> dict[str, torch.Tensor]:
-    """Two layers in the CPU backend's layout: [blocks, 2, block_size, heads * head]."""
-    return {f"l{i}": torch.randn(NB, 2, B, 64) for i in range(2)}
+def kv_caches(heads: int = 1) -> dict[str, torch.Tensor]:
+    """Two layers in vLLM's per-layer view [blocks, heads, block_size, K and V]
+    (the CPU backend's): 32 KiB per chunk of one KV head."""
+    return {f"l{i}": torch.randn(NB, heads, B, 128) for i in range(2)}
 
 
 def ops(req: str, blocks: list[int]) -> RequestOps:
@@ -258,10 +259,10 @@ def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_ret
     # Saves stall, loads do not: they have staging of their own. Objects written
     # before (by "another engine") load while the puts are stuck.
     chunk_hash = bytes([1]) * 8
-    key = worker.identity.space.key(worker.identity.layout.content(0, 0), chunk_hash)
+    key = worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], chunk_hash)
     other = MemoryStore(capacity=1 << 20)
     other._objects = store._objects  # the same pool, a client whose puts are not stuck
-    obj = torch.full((2, 2, B, 64), 3.0)
+    obj = torch.full((2, 1, B, 128), 3.0)
     assert other.batch_put([key], [[(obj.data_ptr(), obj.nbytes)]]) == [Status.OK]
     worker.start_loads(KVPoolMetadata(loads=[ops("b", [9])]))
     assert finished_within(worker, "b") == (True, False)
@@ -280,6 +281,83 @@ def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_ret
     assert stats is not None and stats.chunks_refused == {"staging_busy": 3}
     assert stats.chunks_put + stats.chunks_skipped_exist == 2  # chunk 0 was there already
     worker.close()
+
+
+def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_read() -> None:
+    """TP1 with 2 KV heads saves one object per head, each that head's slice of
+    every layer; the two ranks of a TP2 engine (one head each) load them into
+    their own tensors, byte for byte. And the other way round."""
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+
+    class View(MemoryStore):
+        """Each worker's own client of one pool: closing it leaves the pool alone."""
+
+        def __init__(self, _: PoolConfig) -> None:
+            super().__init__(capacity=1 << 30)
+            self._objects = store._objects
+
+        def close(self) -> None:
+            self._objects = OrderedDict()
+            super().close()
+
+    client = View
+
+    def worker(tp: int, rank: int, caches: dict[str, torch.Tensor]) -> WorkerSide:
+        w = WorkerSide(identity(tp, 2), rank, ConnectorSettings(), PoolConfig(), kv_config,
+                       client)  # fmt: skip
+        w.register(caches)
+        return w
+
+    def save(w: WorkerSide, blocks: list[int]) -> None:
+        w.start_saves(KVPoolMetadata(saves=[ops("s", blocks)]))
+        assert w.engine is not None
+        results = w.engine.wait(list(w._save_reqs), timeout=10)
+        assert results and all(r.ok for r in results)
+
+    one = kv_caches(heads=2)
+    tp1 = worker(1, 0, one)
+    save(tp1, [3, 4])
+    assert len(store._objects) == 2 * 2  # chunks x heads
+    halves = [kv_caches(heads=1) for _ in range(2)]
+    for rank, caches in enumerate(halves):
+        w = worker(2, rank, caches)
+        w.start_loads(KVPoolMetadata(loads=[ops("l", [7, 8])]))
+        assert finished_within(w, "l") == (True, False)
+        for name, t in caches.items():
+            assert torch.equal(t[7:9, 0], one[name][3:5, rank])
+        w.close()
+    tp1.close()
+    # TP2 ranks write chunks of other hashes (blocks 1, 2); TP1 reads both heads.
+    store._objects.clear()
+    for rank, caches in enumerate(halves):
+        w = worker(2, rank, caches)
+        save(w, [7, 8])
+        w.close()
+    fresh = kv_caches(heads=2)
+    tp1 = worker(1, 0, fresh)
+    tp1.start_loads(KVPoolMetadata(loads=[ops("l", [10, 11])]))
+    assert finished_within(tp1, "l") == (True, False)
+    for name, t in fresh.items():
+        for head in range(2):
+            assert torch.equal(t[10:12, head], halves[head][name][7:9, 0])
+    tp1.close()
+
+
+def test_a_kv_tensor_whose_heads_cannot_be_found_leaves_the_worker_idle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    w = WorkerSide(identity(1, 2), 0, ConnectorSettings(), PoolConfig(), kv_config,
+                   lambda _: MemoryStore(capacity=1 << 30))  # fmt: skip
+    with caplog.at_level(logging.ERROR):
+        w.register({f"l{i}": torch.randn(NB, B, 256) for i in range(2)})  # no head axis
+    assert w.engine is None
+    assert "kvpool cannot name its heads" in caplog.text
 
 
 def test_staging_smaller_than_one_chunk_stops_the_engine_at_start_with_the_size_to_set() -> None:

@@ -61,9 +61,10 @@ __all__ = [
 
 DEFAULT_PROMPTS = (1024, 3072, 32768, 131072)
 LAYOUTS: dict[str, Layout] = {
-    "tp1": Layout.create(tp=1, groups=("gqa:8",)),  # 1 namespace
-    "tp8-mla-dcp2": Layout.create(tp=8, dcp=2, groups=("mla",)),  # 2 namespaces
-    "tp8-gqa8": Layout.create(tp=8, groups=("gqa:8",)),  # 8 namespaces
+    # Keys per chunk (one per KV head and token class); a search probes one per class.
+    "tp1": Layout.create(tp=1, groups=("gqa:8",)),  # 8 keys, 1 class
+    "tp8-mla-dcp2": Layout.create(tp=8, dcp=2, groups=("mla",)),  # 2 keys, 2 classes
+    "tp8-gqa8": Layout.create(tp=8, groups=("gqa:8",)),  # 8 keys, 1 class
 }
 # p50 targets (every lookup kind), ms: a 3k prompt as fast as vLLM's in-tree
 # connector's (1.64 ms miss / 1.93 ms hit), long contexts within a few ms.

@@ -581,7 +581,7 @@ def _lookup_stopped(ctx: ChaosContext, env: RowEnv) -> str:
 
     one = np.ones(64, dtype=np.uint8)
     with MooncakeStore(pool.config()) as store:
-        keys = [space.key(layout.content(0, 0), h) for h in hashes]
+        keys = [space.key(c, h) for h in hashes for c in layout.holdings(0, 0)]
         store.batch_put(keys, [[(one.ctypes.data, one.nbytes)]] * len(keys))
         server = LookupServer(endpoint, store, layout, space, 32)
         server.start()

@@ -28,7 +28,7 @@ from kvpool.cli.pool_cmd import down, status, up
 from kvpool.errors import KVPoolError
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupSpec, Layout
-from kvpool.plan import build_plan
+from kvpool.plan import ReaderRank, build_plan, read_across
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,6 +69,13 @@ def cli(verbose: bool) -> None:
 )
 @click.option("--chunks", default=16, show_default=True, type=click.IntRange(min=1, max=100000))
 @click.option("--model", default="example/model", show_default=True)
+@click.option(
+    "--read-tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also show what an engine of this TP size (same model, pp, pcp, dcp) reads "
+    "of this layout's objects.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def plan(
     tp: int,
@@ -80,6 +87,7 @@ def plan(
     kv_heads: int | None,
     chunks: int,
     model: str,
+    read_tp: int | None,
     as_json: bool,
 ) -> None:
     """Show who writes and who reads every key of a parallel layout."""
@@ -90,22 +98,39 @@ def plan(
         raise click.UsageError(
             "give the model's KV groups: --group mla, --group gqa:8 (repeatable) or --kv-heads N"
         )
+
+    def space_of(layout: Layout) -> KeySpace:
+        return KeySpace.create(
+            model=model,
+            layout=layout,
+            kv_dtype="bfloat16",
+            model_dtype="bfloat16",
+            chunk_size=16,
+            head_size=128,
+            num_layers=1,
+        )
+
     layout = Layout.create(tp=tp, pp=pp, pcp=pcp, dcp=dcp, groups=specs, dp_index=dp_index)
-    space = KeySpace.create(
-        model=model,
-        layout=layout,
-        kv_dtype="bfloat16",
-        model_dtype="bfloat16",
-        chunk_size=16,
-        head_size=128,
-        num_layers=1,
-    )
-    result = build_plan(layout, space, chunks)
+    result = build_plan(layout, space_of(layout), chunks)
+    readers: tuple[ReaderRank, ...] = ()
+    if read_tp is not None:
+        reader = Layout.create(tp=read_tp, pp=pp, pcp=pcp, dcp=dcp, groups=specs)
+        readers = read_across(result, reader, space_of(reader))
     if as_json:
-        click.echo(json.dumps(render.plan_json(result)))
+        data = render.plan_json(result)
+        if read_tp is not None:
+            data["reader"] = render.reader_json(read_tp, readers)
+        click.echo(json.dumps(data))
         return
     console.print(render.plan_ranks_table(result))
     console.print(render.plan_totals_table(result))
+    if read_tp is not None and readers:
+        console.print(render.plan_reader_table(result, read_tp, readers))
+    elif read_tp is not None:
+        console.print(
+            f"an engine at tp={read_tp} shares no object with this layout: a mamba "
+            "group's state slices depend on tp, so its keys differ"
+        )
 
 
 @cli.command("settings")

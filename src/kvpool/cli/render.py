@@ -7,11 +7,19 @@ from typing import Any
 from rich.table import Table
 
 from kvpool.layout import ContentId
-from kvpool.plan import Plan, Totals, reference_totals
+from kvpool.plan import Plan, ReaderRank, Totals, reference_totals
 
 
 def content_label(c: ContentId) -> str:
-    return f"h{c.head_slot}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}"
+    return f"h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}"
+
+
+def shards_label(shards: tuple[ContentId, ...]) -> str:
+    """A rank's shards of one group: ``h0.d0.c0.p0``, or ``h0-3.d0.c0.p0`` for a
+    run of KV heads (a rank's heads are always consecutive)."""
+    first, last = shards[0], shards[-1]
+    heads = f"{first.head}" if first == last else f"{first.head}-{last.head}"
+    return f"h{heads}.d{first.dcp_rank}.c{first.pcp_rank}.p{first.pp_rank}"
 
 
 def plan_ranks_table(plan: Plan) -> Table:
@@ -21,7 +29,7 @@ def plan_ranks_table(plan: Plan) -> Table:
     for name in ("rank", "tp", "pp", "pcp", "dcp"):
         t.add_column(name, justify="right")
     for g, spec in enumerate(layout.groups):
-        t.add_column(f"g{g} {spec} content")
+        t.add_column(f"g{g} {spec} shards")
         t.add_column("replicas", justify="right")
         t.add_column("writes", justify="right")
     shares = {(s.rank, s.group): s for s in plan.shares}
@@ -30,11 +38,32 @@ def plan_ranks_table(plan: Plan) -> Table:
         for g in range(len(layout.groups)):
             s = shares[(c.rank, g)]
             row += [
-                content_label(layout.content(c.rank, g)),
+                shards_label(s.shards),
                 str(s.replicas),
                 _share(s.write_share),
             ]
         t.add_row(*row)
+    return t
+
+
+def plan_reader_table(plan: Plan, reader_tp: int, rows: tuple[ReaderRank, ...]) -> Table:
+    """Beside the writer's plan: per rank of the reader layout (another TP size),
+    the objects it reads per chunk and the writer ranks they come from."""
+    t = Table(title=f"a reader at tp={reader_tp} beside this writer at tp={plan.layout.tp}")
+    t.add_column("reader rank", justify="right")
+    for g, spec in enumerate(plan.layout.groups):
+        t.add_column(f"g{g} {spec} shards")
+    t.add_column("objects read per chunk", justify="right")
+    t.add_column("share of a chunk's bytes", justify="right")
+    t.add_column("written by ranks")
+    for row in rows:
+        t.add_row(
+            str(row.rank),
+            *(shards_label(s) for s in row.shards),
+            str(row.objects_per_chunk),
+            f"{row.bytes_share:.0%}",
+            ",".join(str(w) for w in row.writers),
+        )
     return t
 
 
@@ -91,6 +120,23 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         ],
         "lookup_keys": [
             {"group": p.group, "chunk": p.chunk, "key": p.key} for p in plan.lookup_keys
+        ],
+    }
+
+
+def reader_json(reader_tp: int, rows: tuple[ReaderRank, ...]) -> dict[str, Any]:
+    """The ``--json`` ``reader`` object of ``--read-tp``: per reader rank."""
+    return {
+        "tp": reader_tp,
+        "shares_keys": bool(rows),
+        "ranks": [
+            {
+                "rank": r.rank,
+                "objects_per_chunk": r.objects_per_chunk,
+                "bytes_share": r.bytes_share,
+                "writers": list(r.writers),
+            }
+            for r in rows
         ],
     }
 

@@ -23,7 +23,12 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
   (``plan.probe_keys``: every distinct content of every group) and it holds
   no suppressed key; a sliding-window group (``GroupSpec.window``) needs only
   the chunks of its window before the hit (``GroupSpec.needed_chunks``), so
-  the hit is the longest one whose every group has what it needs. The
+  the hit is the longest one whose every group has what it needs. A chunk's
+  KV heads are written together (by one rank, or by each rank for its own),
+  so outside ``exact`` mode the search asks for one head of each slice class
+  (group, token class, stage) per chunk, rotating the head with the chunk
+  index; a head missing between probes is found by the load, as a chunk
+  missing between probed chunks is (see ``lookup.search``). The
   boundary is searched in a few ``store.batch_exists`` rounds
   (``lookup.search.find_prefix``: one round over every chunk for a short
   prompt, two or three of a few dozen chunks for a long one; none when no
@@ -129,6 +134,14 @@ class LookupServer:
         pairs = list(zip(self._templates, specs, strict=True))
         self._full = tuple(t for t, spec in pairs if not spec.window)
         self._windowed = tuple((t, spec) for t, spec in pairs if spec.window)
+        # The full-attention templates by slice class, heads in order: exact mode
+        # probes every head of a chunk, the search one per class (rotating).
+        classes: dict[tuple[int, int, int, int], list[str]] = {}
+        contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
+        for t, c in zip(self._templates, contents, strict=True):
+            if not layout.groups[c.group].window:
+                classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.pp_rank), []).append(t)
+        self._classes = tuple(tuple(ts) for ts in classes.values())
         self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
         self._suppress_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -285,7 +298,7 @@ class LookupServer:
         suppressed = self._live_suppressed()
         if suppressed:  # the chunk holding a suppressed key, and all after, never count
             usable = min(usable, _first_of(req, suppressed))
-        per_chunk = len(self._full)
+        per_chunk = len(self._full) if self.exact else len(self._classes)
         probed = 0
         bound: Status | None = None  # why the last absent probe was absent
 
@@ -300,7 +313,7 @@ class LookupServer:
 
         def probe(chunks: Sequence[int]) -> list[bool]:
             nonlocal bound
-            statuses = exists(self._keys([hash_of(i) for i in chunks], self._full))
+            statuses = exists(self._probe_keys(chunks, hash_of))
             present = [
                 all(s is Status.OK for s in statuses[j * per_chunk : (j + 1) * per_chunk])
                 for j in range(len(chunks))
@@ -352,6 +365,13 @@ class LookupServer:
             if hit == 0:
                 return 0, why
         return 0, why
+
+    def _probe_keys(self, chunks: Sequence[int], hash_of: Callable[[int], bytes]) -> list[str]:
+        """Chunk-major keys a search round asks for: every full-attention key of each
+        chunk in exact mode; else, per slice class, head ``chunk % heads``."""
+        if self.exact:
+            return self._keys([hash_of(i) for i in chunks], self._full)
+        return [ts[i % len(ts)] + hash_of(i).hex() for i in chunks for ts in self._classes]
 
     def _keys(self, hashes: Sequence[bytes], templates: Sequence[str] | None = None) -> list[str]:
         """Chunk-major keys of ``hashes`` under ``templates`` (default: all, what

@@ -48,11 +48,12 @@ import torch
 
 from kvpool.config import PoolConfig
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.layout import ContentId
 from kvpool.placement import place_kv
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
-from kvpool.vllm.identity import EngineIdentity
+from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine
 from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
@@ -89,7 +90,7 @@ class WorkerSide:
         self._open_store = open_store
         self.engine: TransferEngine | None = None
         self.store: KVStore | None = None
-        self._local: dict[int, int] = {}  # vLLM group index -> engine group index
+        self._local: dict[int, int] = {}  # vLLM group index -> index in _groups
         self._jobs = itertools.count()
         self._loads: dict[object, tuple[str, dict[str, bytes]]] = {}  # job -> (req, key->hash)
         self._invalid: set[int] = set()
@@ -105,6 +106,9 @@ class WorkerSide:
         self._last_version = -1  # of the engine that _last_stats came from
         self._retired = TransferStats()  # counters of replaced engines
         self._groups: list[list[tuple[str, torch.Tensor]]] = []
+        # Per local group: (shard, engine group index) for each shard this rank holds
+        # (one per local KV head; the engine describes each head's view of the tensors).
+        self._shards: dict[int, list[tuple[ContentId, int]]] = {}
         # Saves in flight by request (zero copy waits for those of freed requests;
         # refusals are reported per request); zero_copy: the store whose memory
         # holds the KV cache (kept open until close: the KV tensors live there),
@@ -151,16 +155,17 @@ class WorkerSide:
         store = self._open_store(self.pool)
         try:
             mode = self.settings.load_mode
+            zero_copy = self._zero_copy(store)  # may move the tensors: views come after
             engine = TransferEngine(
                 store,
-                self._groups,
+                self._shard_views(),
                 int(self.kv_cache_config.num_blocks),
                 staging_bytes=self.settings.staging_bytes,
                 # Staged by default: bytes reach the KV cache only after their header
                 # and checksum were checked, and each object moves as one segment.
                 load_mode="staged" if mode == "auto" else mode,
                 load_timeout_s=self.settings.load_timeout_s or None,
-                zero_copy=self._zero_copy(store),
+                zero_copy=zero_copy,
                 blocks_per_object=self.identity.blocks_per_chunk,
             )
         except BaseException:
@@ -168,6 +173,34 @@ class WorkerSide:
                 store.close()
             raise
         return store, engine
+
+    def _shard_views(self) -> list[list[tuple[str, torch.Tensor]]]:
+        """The tensors of each shard this rank holds: per local KV head, that head's
+        slice of every layer (vLLM's per-layer views are ``[blocks, heads, tokens,
+        content]``); the whole tensors when the rank holds one shard of a group.
+        Fills ``_shards`` with the engine group index of each."""
+        layout = self.identity.layout
+        views: list[list[tuple[str, torch.Tensor]]] = []
+        self._shards = {}
+        for g, local in self._local.items():
+            held = layout.holdings(self.rank, g)
+            layers = self._groups[local]
+            if len(held) == 1:
+                self._shards[g] = [(held[0], len(views))]
+                views.append(layers)
+                continue
+            for name, t in layers:
+                if t.dim() != 4 or t.shape[1] != len(held):
+                    raise UnsupportedEngine(
+                        f"KV tensor {name} has shape {tuple(t.shape)}, not vLLM's "
+                        f"[blocks, heads, tokens, content] with this rank's {len(held)} "
+                        "KV heads; kvpool cannot name its heads"
+                    )
+            self._shards[g] = []
+            for i, c in enumerate(held):
+                self._shards[g].append((c, len(views)))
+                views.append([(name, t.narrow(1, i, 1)) for name, t in layers])
+        return views
 
     def _zero_copy(self, store: KVStore) -> bool:
         """Whether ``store`` can move blocks straight from the KV tensors, placing
@@ -285,13 +318,15 @@ class WorkerSide:
         layout, space = self.identity.layout, self.identity.space
         refs = []
         for c in ops.chunks:
-            for g, local in self._local.items():
-                if writing and not layout.writes(self.rank, g, c.chunk):
-                    continue
+            for g, shards in self._shards.items():
                 if NULL_BLOCK in c.block_ids[g]:  # a window's dropped block: no bytes
                     continue
-                key = space.key(layout.content(self.rank, g), c.chunk_hash)
-                refs.append((ChunkRef(key, local, c.chunk, c.block_ids[g]), c.chunk_hash))
+                for content, engine_group in shards:
+                    if writing and not layout.writes(self.rank, content, c.chunk):
+                        continue
+                    key = space.key(content, c.chunk_hash)
+                    ref = ChunkRef(key, engine_group, c.chunk, c.block_ids[g])
+                    refs.append((ref, c.chunk_hash))
         return refs
 
     def start_loads(self, meta: KVPoolMetadata) -> None:

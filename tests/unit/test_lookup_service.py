@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from kvpool.errors import ConfigError
 from kvpool.keys import KeySpace, lookup_endpoint
-from kvpool.layout import Layout
+from kvpool.layout import ContentId, Layout
 from kvpool.lookup import wire
 from kvpool.lookup.client import LookupClient
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, private_dir
@@ -277,6 +277,28 @@ def test_the_search_asks_one_head_per_chunk_rotating_and_never_answers_short(
             assert hit == (chunk if head == chunk % 4 else n) * CHUNK, (chunk, head)
             # one key per chunk (a short prompt: one round over every chunk)
             assert server.stats.keys_probed - before == n
+
+
+def test_objects_of_the_old_schema_are_misses_not_errors(service: Service) -> None:
+    """Schema 1 named objects by rank slot (h<slot>) under a fingerprint holding tp.
+    A pool still holding them answers a miss for the same prompt, with no error:
+    the new keys (schema 2) are other keys, so an old object is never read."""
+    from kvpool.keys import ParsedKey
+
+    layout = Layout.create(tp=2, groups=["gqa:4"])
+    space = space_of(layout)
+    store = MemoryStore()
+    service.server(store, layout, space)
+    client = service.client()
+    hashes = chunk_hashes(3, seed=b"schema-1")
+    old = [str(ParsedKey(space.model, space.fingerprint, ContentId(slot, 0, 0, 0, 0), h.hex(),
+                         schema=1))
+           for h in hashes for slot in range(2)]  # fmt: skip
+    put(store, old)
+    assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
+    assert client.stats.misses == {}  # a plain miss: no error, no timeout
+    put_chunks(store, layout, space, hashes)
+    assert client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK
 
 
 def test_a_full_prompt_hit_leaves_the_last_token_to_compute(service: Service) -> None:

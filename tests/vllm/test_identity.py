@@ -96,7 +96,12 @@ def test_the_model_config_hf_dict_is_what_vllm_resolved(base: Any) -> None:
 
 
 def test_group_kinds_from_vllms_real_spec_classes() -> None:
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
 
     from kvpool.layout import GroupKind, GroupSpec
     from kvpool.vllm.identity import UnsupportedEngine, _group_spec
@@ -114,6 +119,20 @@ def test_group_kinds_from_vllms_real_spec_classes() -> None:
     assert _group_spec(kept, 8) == GroupSpec(GroupKind.GQA, 8)
     mla = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     assert _group_spec(mla, 1) == GroupSpec(GroupKind.MLA)
+    swa_mla = SlidingWindowMLASpec(
+        block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=128
+    )
+    assert _group_spec(swa_mla, 1) == GroupSpec(GroupKind.MLA, 0, 128)
+    replay = SlidingWindowMLASpec(
+        block_size=BLOCK,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=torch.bfloat16,
+        sliding_window=128,
+        bounded_replay=True,
+    )
+    with pytest.raises(UnsupportedEngine, match="bounded replay"):
+        _group_spec(replay, 1)
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
     with pytest.raises(UnsupportedEngine, match="Mamba"):
         _group_spec(mamba, 8)

@@ -61,9 +61,18 @@ def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
             "Mamba / linear-attention state is not pooled yet (the engine serves "
             "without kvpool; vLLM's hybrid manager stays on)"
         )
-    if "SlidingWindowSpec" in names and "SlidingWindowMLASpec" not in names:
+    if "SlidingWindowSpec" in names:
+        # A window of whole tokens that vLLM itself prefix-caches (not DeepSeek-V4's
+        # bounded replay, nor states packing several tokens).
+        if not getattr(spec, "prefix_cacheable", True) or getattr(spec, "tokens_per_state", 1) != 1:
+            raise UnsupportedEngine(
+                f"{type(spec).__name__} with bounded replay or several tokens per state "
+                "is not pooled yet"
+            )
+        if "SlidingWindowMLASpec" in names:  # one latent per token, windowed
+            return GroupSpec(GroupKind.MLA, 0, int(spec.sliding_window))
         return GroupSpec(GroupKind.GQA, total_kv_heads, int(spec.sliding_window))
-    if "MLAAttentionSpec" in names and "SlidingWindowSpec" not in names:
+    if "MLAAttentionSpec" in names:
         return GroupSpec(GroupKind.MLA)
     if "FullAttentionSpec" in names and not names & {"RSWASpec", "SinkFullAttentionSpec"}:
         return GroupSpec(GroupKind.GQA, total_kv_heads)

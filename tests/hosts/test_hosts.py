@@ -113,7 +113,9 @@ def test_a_host_cut_off_costs_misses_never_a_stall_or_a_wrong_answer(
 ) -> None:
     """Host 2 (a holder of the pool) loses its link after its engine saved: host 3's
     engine still answers like an engine without kvpool, every request within the
-    load deadline and Mooncake's transfer timeout of a hit it cannot load."""
+    load deadline and Mooncake's transfer timeout of a hit it cannot load, and its
+    saves go to the holder that remains. Link back: a fresh engine on host 3 hits
+    the prefix again."""
     import subprocess
 
     host1_file, host2_file = pool_files
@@ -129,3 +131,7 @@ def test_a_host_cut_off_costs_misses_never_a_stall_or_a_wrong_answer(
     assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
     slowest = max(r["total_s"] for r in c["results"])
     assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s"  # deadline + transfer bound
+    assert c["connector"]["bytes_saved"] > 0  # to host 1's holder, while host 2 was away
+    d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
+    assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
+    assert d["results"][0]["cached_tokens"] >= 256

@@ -135,3 +135,29 @@ def test_a_host_cut_off_costs_misses_never_a_stall_or_a_wrong_answer(
     d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
     assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
     assert d["results"][0]["cached_tokens"] >= 256
+
+
+def test_a_host_whose_holder_is_killed_costs_misses_then_hits_again(
+    hosts: list[Host], pool_files: tuple[Path, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Host 2's holder is killed (SIGKILL) after its engine saved there: host 3's
+    engine answers like an engine without kvpool, within the load deadline and
+    Mooncake's transfer timeout, saving to host 1's holder; a fresh engine on
+    host 3 then hits the prefix."""
+    import signal
+
+    host1_file, host2_file = pool_files
+    base = _engine(None, tiny_model, tmp_path, "base")
+    saved = _engine(hosts[1], tiny_model, tmp_path, "host2", str(host2_file))
+    assert saved["connector"]["bytes_saved"] > 0
+    holder = json.loads(host2_file.read_text())["holder_pid"]
+    assert isinstance(holder, int) and holder > 0
+    os.kill(holder, signal.SIGKILL)
+    c = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file), load_timeout_s=2)
+    assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
+    slowest = max(r["total_s"] for r in c["results"])
+    assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s"  # deadline + transfer bound
+    assert c["connector"]["bytes_saved"] > 0
+    d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
+    assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
+    assert d["results"][0]["cached_tokens"] >= 256

@@ -161,3 +161,30 @@ def test_a_host_whose_holder_is_killed_costs_misses_then_hits_again(
     d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
     assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
     assert d["results"][0]["cached_tokens"] >= 256
+
+
+def test_the_masters_host_cut_off_costs_misses_and_the_pool_serves_again_after(
+    hosts: list[Host], pool_files: tuple[Path, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Host 1 (the master and a holder) is cut off when an engine on host 3 starts:
+    the connector says it cannot reach the master and stays idle, the engine answers
+    like one without kvpool, no request stalls. Link back: a fresh engine on host 3
+    uses the pool again (it saves)."""
+    import subprocess
+
+    host1_file = pool_files[0]
+    base = _engine(None, tiny_model, tmp_path, "base")
+    cut = ["ip", "-n", hosts[0].name, "link", "set", "eth0"]
+    subprocess.run([*cut, "down"], check=True)
+    try:
+        c = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file), load_timeout_s=2,
+                    lookup_timeout_ms=200)  # fmt: skip
+    finally:
+        subprocess.run([*cut, "up"], check=True)
+    assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
+    assert "cannot reach mooncake_master" in c["log"]
+    slowest = max(r["total_s"] for r in c["results"])
+    assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s"
+    d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
+    assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
+    assert d["connector"]["bytes_saved"] > 0

@@ -17,6 +17,7 @@ import pytest
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 
 BLOCK = 32
+TINY_KV_HEADS = 2  # build_tiny_llama's default; kvpool stores one object per KV head
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -83,6 +84,7 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
+    from kvpool.keys import parse_key
     from kvpool.pool import master_keys
 
     # vLLM's publisher connects to a tcp://HOST:PORT endpoint (it binds only to "*"),
@@ -117,7 +119,10 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     events = [e for b in batches for e in decoder.decode(b).events]
     ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
     chunks = {tuple(p[: (i + 1) * BLOCK]) for p in prompts() for i in range(len(p) // BLOCK)}
-    assert len(ours) == len(chunks) == len(master_keys(local_pool.config().metrics_url))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    # One event per chunk; the pool holds one object per KV head of each chunk.
+    assert len(ours) == len(chunks) == len({k.chunk_hash for k in keys})
+    assert len(keys) == TINY_KV_HEADS * len(chunks)
     assert all(e.block_size == BLOCK and len(e.token_ids) == BLOCK for e in ours)
     by_tokens = {tuple(e.token_ids): e for e in ours}
     for p in prompts():  # each chunk's parent is the chunk before it in the prompt
@@ -130,6 +135,7 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
 def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:
+    from kvpool.keys import parse_key
     from kvpool.pool import master_keys
 
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
@@ -137,7 +143,9 @@ def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
     two = {"pool_file": pool_file, "chunk_size": 2 * BLOCK}
     run_engine(spec(tiny_model, "kvpool", extra=two))
     chunks = {tuple(p[: (i + 1) * 2 * BLOCK]) for p in prompts() for i in range(len(p) // 64)}
-    assert len(master_keys(local_pool.config().metrics_url)) == len(chunks) == 4
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    assert len({k.chunk_hash for k in keys}) == len(chunks) == 4
+    assert len(keys) == TINY_KV_HEADS * len(chunks)  # one object per KV head
     b = run_engine(spec(tiny_model, "kvpool", extra=two))
     assert_same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256

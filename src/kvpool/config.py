@@ -9,13 +9,15 @@
                                everything else looks for it by default
     read_pool_file(path)       parse a pool file (ConfigError if malformed)
 
-Pure: reads only the file it is pointed at; no sockets, no Mooncake.
+Pure: reads only the file it is pointed at (and warns if a secret in it is
+readable by others); no sockets, no Mooncake.
 A bad value raises ``ConfigError`` naming the field and what it accepts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -42,6 +44,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVPOOL_"
+logger = logging.getLogger(__name__)
+_SECRET_HEX = 32  # 128 bits
+_SECRET_RE = re.compile(rf"(?:[0-9a-fA-F]{{2}}){{{_SECRET_HEX // 2},}}")
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _MAX_SIZE = (1 << 63) - 1  # what Mooncake's signed 64-bit sizes hold
@@ -82,9 +87,10 @@ def parse_number(value: Any, name: str, integer: bool = False, minimum: float = 
     return number
 
 
-def documented(default: Any, doc: str) -> Any:
-    """A dataclass field with its README description (``settings.settings_table``)."""
-    return field(default=default, metadata={"doc": doc})
+def documented(default: Any, doc: str, *, secret: bool = False) -> Any:
+    """A dataclass field with its README description (``settings.settings_table``);
+    a ``secret`` one is left out of the config's repr (and so of every log)."""
+    return field(default=default, metadata={"doc": doc}, repr=not secret)
 
 
 def parse_bool(value: Any, name: str) -> bool:
@@ -122,6 +128,12 @@ class PoolConfig:
     )
     metrics_url: str = documented("", "http://host:port of the master's metrics server.")
     checksum: bool = documented(True, "xxh3-64 over each object's payload, written and verified.")
+    pool_secret: str = documented(
+        "",
+        "Hex key (at least 32 digits) that signs every object; objects not signed with it "
+        "are refused. `kvpool up --secret` makes one; empty = unsigned.",
+        secret=True,
+    )
     setup_timeout_s: float = documented(10.0, "Bound on connecting to the master.")
     transfer_timeout_s: float = documented(5.0, "Bound on one blocked transfer.")
     pool_file: str = documented(
@@ -140,6 +152,18 @@ class PoolConfig:
         for name in ("setup_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.pool_secret and not _SECRET_RE.fullmatch(self.pool_secret):
+            # The value itself is never echoed: it may be a real secret mistyped.
+            raise ConfigError(
+                f"pool_secret must be an even number of hex digits, at least {_SECRET_HEX} "
+                f"(got {len(self.pool_secret)} characters); `kvpool up --secret` makes one, "
+                "or use e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`"
+            )
+
+    @property
+    def secret(self) -> bytes | None:
+        """The pool secret as bytes, or None when objects are not signed."""
+        return bytes.fromhex(self.pool_secret) if self.pool_secret else None
 
     def require_master(self) -> str:
         """The master address, or ``PoolNotFound`` saying how to get a pool."""
@@ -238,6 +262,8 @@ def load_config(
         raise PoolNotFound(f"cannot read pool file {file}: {exc.strerror or exc}") from None
     if present:
         data = read_pool_file(file)
+        if data.get("pool_secret"):
+            _warn_if_readable(file)
         values.update({k: v for k, v in data.items() if k in _FIELDS})
         values["pool_file"] = str(file)
     values.update(extra)
@@ -248,6 +274,26 @@ def load_config(
     if config.local_hostname == "auto":
         config = replace(config, local_hostname=route_address(config.master_address))
     return config
+
+
+def _warn_if_readable(file: Path) -> None:
+    """A pool file holding a secret should be its owner's alone (``kvpool up`` makes
+    it 0600); say so once per file when others may read it."""
+    try:
+        mode = file.stat().st_mode
+    except OSError:
+        return
+    if mode & 0o077 and str(file) not in _WARNED:
+        _WARNED.add(str(file))
+        logger.warning(
+            "kvpool: pool file %s holds the pool secret but others may read it (mode %o); "
+            "chmod 600 it",
+            file,
+            mode & 0o777,
+        )
+
+
+_WARNED: set[str] = set()
 
 
 def route_address(master_address: str) -> str:

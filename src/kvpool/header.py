@@ -8,26 +8,41 @@
     payload_checksum(segments)     the payload checksum over a scatter list, read in place
     batch_checksums(payloads)      the same for many payloads
     key_digest(key)                xxh3-64 of the key's UTF-8
+    payload_signature(secret, head, key, segments)
+                                   the 16-byte signature a pool secret gives an object
     HeaderTable(buffer, stride)    the headers at offsets 0, stride, 2*stride, ... of a
                                    buffer, packed (``pack_rows``) and checked
                                    (``valid_rows``) a batch at a time; the same
-                                   bytes and verdicts as ``pack``/``check``
+                                   bytes and verdicts as ``pack``/``check``;
+                                   ``sign_rows``/``signatures`` sign and re-sign them
     fingerprint_bytes(fp)          a ``KeySpace.fingerprint`` (16 hex) as 8 bytes
 
 Layout (little-endian, offsets in bytes)::
 
      0  magic        4s   b"KVPL"
      4  version      u16  FORMAT_VERSION
-     6  flags        u16  bit 0: checksum present; other bits must be 0
+     6  flags        u16  bit 0: checksum present; bit 1: signed; other bits 0
      8  fingerprint  8s   config fingerprint of the key space
     16  key digest   u64  xxh3-64 of the key
     24  payload len  u64  bytes after the header
     32  checksum     u64  xxh3-64 of the payload, 0 when bit 0 is clear
-    40  reserved     24s  zero
+    40  signature    16s  with bit 1: HMAC-SHA256 under the pool secret, cut to
+                          16 bytes, of bytes 0-39, the key and the payload (never
+                          16 zero bytes: those read as a flipped flag); else zero
+    56  reserved     8s   zero
 
 A header that fails ``check`` means the bytes are not this object: the reader
 treats it as a miss, never loads it. Pure: no I/O; reading memory at an
 address is the only unsafe thing here, and only the checksum functions do it.
+
+Signatures (``PoolConfig.pool_secret``): Mooncake has no authentication, so
+anyone on the pool network can put bytes under a live key, with a header whose
+checksum matches them. A writer with a secret signs each object; a reader with
+one refuses objects unsigned (``UNSIGNED``) or signed with another secret
+(``FORGED``). The signature covers the key itself (not only its 64-bit digest)
+and the whole payload (not its xxh3, which is no defence against a chosen
+payload), so an object is trusted only if a holder of the secret wrote those
+bytes for that key. A reader without a secret ignores signatures.
 
 The checksum is xxh3-64 of the payload (the concatenation of its scatter
 list), hashed in place in slices small enough that xxhash keeps the GIL. A call
@@ -46,6 +61,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -59,9 +76,11 @@ from kvpool.keys import OBJECT_FORMAT
 
 __all__ = [
     "FLAG_CHECKSUM",
+    "FLAG_SIGNED",
     "FORMAT_VERSION",
     "HEADER_SIZE",
     "MAGIC",
+    "SIGNATURE_SIZE",
     "CheckFailure",
     "Header",
     "HeaderTable",
@@ -72,16 +91,23 @@ __all__ = [
     "pack",
     "pack_into",
     "payload_checksum",
+    "payload_signature",
     "unpack",
 ]
 
 MAGIC = b"KVPL"
 FORMAT_VERSION = OBJECT_FORMAT  # 2: the checksum is xxh3-64 (1: wsum64)
 FLAG_CHECKSUM = 0x0001
-_KNOWN_FLAGS = FLAG_CHECKSUM
+FLAG_SIGNED = 0x0002
+_KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_SIGNED
 _STRUCT = struct.Struct("<4sHH8sQQQ24s")
 HEADER_SIZE = _STRUCT.size  # 64
+SIGNED_BYTES = 40  # the header bytes a signature covers: all before it
+SIGNATURE_SIZE = 16
 _ZERO = bytes(24)
+_ZERO_TAIL = bytes(24 - SIGNATURE_SIZE)
+_FLAGS = struct.Struct("<H")
+_FLAGS_AT = 6
 _FP_LEN = 8
 
 
@@ -97,6 +123,8 @@ class CheckFailure(enum.Enum):
     LENGTH = "payload length differs from the expected length"
     CHECKSUM = "payload checksum mismatch"
     NO_CHECKSUM = "written without a checksum, which this reader requires"
+    UNSIGNED = "not signed, and this reader's pool has a secret"
+    FORGED = "signature does not match: not written with this pool's secret"
 
     @property
     def damaged(self) -> bool:
@@ -104,6 +132,11 @@ class CheckFailure(enum.Enum):
         under other settings (checksums off). The format version is part of the
         key, so another version under this key is damage too."""
         return self is not CheckFailure.NO_CHECKSUM
+
+    @property
+    def untrusted(self) -> bool:
+        """Refused for its signature: not written by a holder of the pool secret."""
+        return self in (CheckFailure.UNSIGNED, CheckFailure.FORGED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +155,15 @@ class Header:
     @property
     def has_checksum(self) -> bool:
         return bool(self.flags & FLAG_CHECKSUM)
+
+    @property
+    def signed(self) -> bool:
+        return bool(self.flags & FLAG_SIGNED)
+
+    @property
+    def signature(self) -> bytes:
+        """The 16 signature bytes (zero when unsigned)."""
+        return self.reserved[:SIGNATURE_SIZE]
 
 
 def fingerprint_bytes(fingerprint: str | bytes) -> bytes:
@@ -162,6 +204,41 @@ def payload_checksum(segments: Sequence[tuple[int, int]]) -> int:
         elif size:  # a ctypes array is a buffer: 3x less per segment than a memoryview
             h.update((char * size).from_address(addr))
     return h.intdigest()
+
+
+# hashlib releases the GIL for an update of 2048 bytes or more, and a thread that
+# releases it waits for it again while another thread runs Python (see the
+# checksum's slices below): signatures are fed in slices one byte shorter.
+_SIGN_SLICE = 2047
+
+
+def payload_signature(
+    secret: bytes, head: bytes | memoryview, key: str, segments: Sequence[tuple[int, int]]
+) -> bytes:
+    """HMAC-SHA256 under ``secret`` of the header's first 40 bytes ``head``, the key
+    (length-prefixed UTF-8) and the payload's scatter list, read in place; the
+    first 16 bytes.
+
+    Fed in slices that keep the GIL. Measured, 16 MiB in 64 objects of 8 segments:
+    14 ms alone (1.2 GB/s; SHA extensions), 29 ms next to a thread spinning in
+    Python (a fair share). HMAC over whole segments: 10 ms alone, 348 ms next to
+    it; keyed BLAKE3 (the ``blake3`` wheel): 7 ms alone, 1247 ms next to it, as it
+    releases the GIL on every update, however small.
+    """
+    if len(head) != SIGNED_BYTES:
+        raise ValueError(f"a signature covers the header's first {SIGNED_BYTES} bytes")
+    raw = key.encode()
+    mac = hmac.new(secret, bytes(head) + len(raw).to_bytes(4, "little") + raw, hashlib.sha256)
+    update, char, step = mac.update, ctypes.c_char, _SIGN_SLICE
+    for addr, size in segments:
+        if size <= step:
+            if size:
+                update((char * size).from_address(addr))
+            continue
+        view = memoryview((char * size).from_address(addr)).cast("B")
+        for off in range(0, size, step):
+            update(view[off : off + step])
+    return mac.digest()[:SIGNATURE_SIZE]
 
 
 def batch_checksums(payloads: Iterable[Sequence[tuple[int, int]]]) -> list[int]:
@@ -229,13 +306,16 @@ def check(
     key: str,
     payload_len: int,
     checksum: int | None = None,
+    signature: bytes | None = None,
 ) -> CheckFailure | None:
     """None if ``header`` describes ``payload_len`` bytes of ``key`` under ``fingerprint``.
 
     ``checksum`` is the checksum the reader computed over the payload, or None
     to skip that check; a reader that gives one requires the header to carry
-    one (``NO_CHECKSUM`` otherwise). Fields are checked in layout order and the
-    first bad one is returned.
+    one (``NO_CHECKSUM`` otherwise). ``signature`` likewise: the one the reader's
+    pool secret gives this header's first 40 bytes, key and payload
+    (``payload_signature``), or None for a reader without a secret. Fields are
+    checked in layout order and the first bad one is returned.
     """
     if header.magic != MAGIC:
         return CheckFailure.MAGIC
@@ -243,7 +323,11 @@ def check(
         return CheckFailure.VERSION
     if header.flags & ~_KNOWN_FLAGS or (not header.has_checksum and header.checksum):
         return CheckFailure.FLAGS
-    if header.reserved != _ZERO:
+    if header.signed and header.signature == _ZERO[:SIGNATURE_SIZE]:
+        return CheckFailure.FLAGS  # a signature of 16 zero bytes: the flag alone flipped
+    if header.reserved[SIGNATURE_SIZE:] != _ZERO_TAIL or (
+        not header.signed and header.signature != _ZERO[:SIGNATURE_SIZE]
+    ):
         return CheckFailure.RESERVED
     if header.fingerprint != fingerprint:
         return CheckFailure.FINGERPRINT
@@ -255,6 +339,10 @@ def check(
         return CheckFailure.NO_CHECKSUM
     if checksum is not None and header.checksum != checksum:
         return CheckFailure.CHECKSUM
+    if signature is not None and not header.signed:
+        return CheckFailure.UNSIGNED
+    if signature is not None and not hmac.compare_digest(header.signature, signature):
+        return CheckFailure.FORGED
     return None
 
 
@@ -301,24 +389,65 @@ class HeaderTable:
         keys: Sequence[str],
         lengths: Sequence[int],
         checksums: Sequence[int] | None = None,
+        signatures: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Per row: would ``check(unpack(row), fingerprint, keys[i], lengths[i],
-        checksums[i])`` return None? (``checksums`` None: not compared.)"""
+        checksums[i], signatures[i])`` return None? (None: not compared.)"""
         get, view, stride, digest = _STRUCT.unpack_from, self._view, self._stride, _DIGEST
+        cut, tail, zero_sig = SIGNATURE_SIZE, _ZERO_TAIL, _ZERO[:SIGNATURE_SIZE]
         out = []
         for i, (row, key, n) in enumerate(zip(rows, keys, lengths, strict=True)):
             magic, version, flags, fp, dig, length, cs, reserved = get(view, row * stride)
+            signed, plain = flags & FLAG_SIGNED, flags & ~FLAG_SIGNED
             out.append(
                 magic == MAGIC
                 and version == FORMAT_VERSION
-                and (flags == FLAG_CHECKSUM or (flags == 0 and cs == 0))
-                and reserved == _ZERO
+                and (plain == FLAG_CHECKSUM or (plain == 0 and cs == 0))
+                and reserved[cut:] == tail
+                and (reserved[:cut] != zero_sig if signed else reserved[:cut] == zero_sig)
                 and fp == fingerprint
                 and length == n
-                and (checksums is None or (flags == FLAG_CHECKSUM and cs == checksums[i]))
+                and (checksums is None or (plain == FLAG_CHECKSUM and cs == checksums[i]))
                 and dig == digest(key.encode())
+                and (
+                    signatures is None
+                    or (bool(signed) and hmac.compare_digest(reserved[:cut], signatures[i]))
+                )
             )
         return out
+
+    def sign_rows(
+        self,
+        rows: Sequence[int],
+        keys: Sequence[str],
+        payloads: Iterable[Sequence[tuple[int, int]]],
+        secret: bytes,
+    ) -> None:
+        """Mark the packed headers in ``rows`` signed and write their signatures
+        (``payload_signature`` of each, over ``payloads[i]``)."""
+        view, stride = self._view, self._stride
+        for row, key, payload in zip(rows, keys, payloads, strict=True):
+            at = row * stride
+            (flags,) = _FLAGS.unpack_from(view, at + _FLAGS_AT)
+            _FLAGS.pack_into(view, at + _FLAGS_AT, flags | FLAG_SIGNED)
+            head = view[at : at + SIGNED_BYTES]
+            sig = payload_signature(secret, head, key, payload)
+            view[at + SIGNED_BYTES : at + SIGNED_BYTES + SIGNATURE_SIZE] = sig
+
+    def signatures(
+        self,
+        rows: Sequence[int],
+        keys: Sequence[str],
+        payloads: Iterable[Sequence[tuple[int, int]]],
+        secret: bytes,
+    ) -> list[bytes]:
+        """The signature ``secret`` gives each row's header as it stands (read from
+        the pool), its key and its payload: what ``valid_rows`` compares."""
+        view, stride = self._view, self._stride
+        return [
+            payload_signature(secret, view[r * stride : r * stride + SIGNED_BYTES], k, p)
+            for r, k, p in zip(rows, keys, payloads, strict=True)
+        ]
 
 
 _DIGEST = xxhash.xxh3_64_intdigest

@@ -212,3 +212,33 @@ def test_a_pool_file_of_another_host_makes_clients_advertise_their_own_address(
     pool_file.write_text(json.dumps(data))
     assert load_config({"pool_file": str(pool_file)}, env={}).local_hostname == "127.0.0.1"
     assert route_address("127.0.0.1:1") == "127.0.0.1"
+
+
+def test_up_with_a_secret_keeps_it_in_an_owner_only_pool_file(
+    home: Home, pool_factory: PoolFactory
+) -> None:
+    """``--secret`` makes a secret (never printed) into a 0600 pool file; a holder
+    joining with ``--master`` takes the first host's from $KVPOOL_POOL_SECRET, so
+    engines reading either pool file sign alike."""
+    from kvpool.config import load_config
+
+    r = home.up("--secret")
+    data = json.loads(home.pool_file.read_text())
+    secret = data["pool_secret"]
+    assert len(secret) == 64 and bytes.fromhex(secret)
+    assert home.pool_file.stat().st_mode & 0o777 == 0o600
+    assert secret not in r.stdout + r.stderr and "signed" in r.stdout
+    assert load_config({"pool_file": str(home.pool_file)}, env={}).pool_secret == secret
+    assert home.kvpool("down").returncode == 0
+
+    master = pool_factory(with_holder=False)
+    joining = Home(home.path.parent / "second-host")
+    joining.env["KVPOOL_POOL_SECRET"] = secret
+    joining.up("--secret", "--master", master.master_address)
+    assert json.loads(joining.pool_file.read_text())["pool_secret"] == secret
+    assert joining.kvpool("down").returncode == 0
+
+    joining.env["KVPOOL_POOL_SECRET"] = "not-hex"
+    bad = joining.kvpool("up", "--secret", "--master", master.master_address)
+    assert bad.returncode != 0 and "pool_secret must be" in bad.stderr
+    assert "not-hex" not in bad.stderr and not joining.pool_file.exists()

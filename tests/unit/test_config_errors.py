@@ -76,3 +76,42 @@ def test_good_numbers_still_parse() -> None:
 
     settings, _ = parse_extra({"chunk_size": "64", "load_timeout_s": "2.5"})
     assert (settings.chunk_size, settings.load_timeout_s) == (64, 2.5)
+
+
+@pytest.mark.parametrize("bad", ["ab" * 15, "zz" * 16, "abc" * 11, " " + "ab" * 16])
+def test_a_malformed_pool_secret_is_refused_without_echoing_it(bad: str) -> None:
+    with pytest.raises(ConfigError, match="pool_secret must be") as info:
+        load_config({"pool_secret": bad}, env={})
+    assert bad.strip() not in str(info.value)
+
+
+def test_the_pool_secret_stays_out_of_the_config_repr() -> None:
+    secret = "0123456789abcdef" * 4
+    config = load_config({}, env={"KVPOOL_POOL_SECRET": secret})
+    assert config.secret == bytes.fromhex(secret)
+    assert secret not in repr(config) and secret not in str(config)
+    assert load_config({}, env={}).secret is None
+
+
+def test_a_pool_file_with_a_secret_is_its_owners_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvpool.pool import LocalPool
+
+    secret = "fe" * 32
+    pool = LocalPool(tmp_path, "127.0.0.1:5", "", secret=secret)
+    path = pool.write_pool_file(tmp_path / "pool.json")
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_config({"pool_file": str(path)}, env={}).secret == bytes.fromhex(secret)
+    assert LocalPool.attach(path).config().pool_secret == secret
+    assert secret not in repr(LocalPool.attach(path))
+    plain = LocalPool(tmp_path, "127.0.0.1:5", "").write_pool_file(tmp_path / "plain.json")
+    assert plain.stat().st_mode & 0o077  # no secret: readable as before
+    assert "pool_secret" not in plain.read_text()
+    # Made readable by others later: loading it says so, once.
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="kvpool.config"):
+        load_config({"pool_file": str(path)}, env={})
+        load_config({"pool_file": str(path)}, env={})
+    warnings = [r for r in caplog.records if "others may read it" in r.getMessage()]
+    assert len(warnings) == 1 and secret not in warnings[0].getMessage()

@@ -289,3 +289,83 @@ def test_inline_slots_shrink_to_the_inline_arena(inner: MemoryStore) -> None:
     assert framed.max_batch == FramedStore.INLINE_ARENA // (HEADER_SIZE + (64 << 10))
     with pytest.raises(ValueError, match="inline_bytes"):
         FramedStore(inner, FP, inline_bytes=-1)
+
+
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
+
+
+def _forge(inner: MemoryStore, key: str, raw: np.ndarray) -> None:
+    """What anyone on the pool network can do: replace a live key's bytes."""
+    inner.batch_remove([key], force=True)
+    inner.batch_put([key], [[(raw.ctypes.data, raw.nbytes)]])
+
+
+def test_a_pool_secret_signs_objects_and_a_reader_with_it_reads_them(inner: MemoryStore) -> None:
+    writer = FramedStore(inner, FP, secret=SECRET, inline_bytes=4096)
+    a = buf(9000, 11)
+    assert writer.batch_put(["k"], [split(a, 100, 5000)]) == [Status.OK]
+    h = header.unpack(stored_bytes(inner, "k", HEADER_SIZE + a.nbytes).tobytes())
+    assert h.signed and h.has_checksum and h.signature != bytes(16)
+    for reader in (
+        FramedStore(inner, FP, secret=SECRET, inline_bytes=0),
+        FramedStore(inner, FP),  # a reader without a secret ignores signatures
+    ):
+        out = np.zeros_like(a)
+        assert reader.batch_get(["k"], [split(out, 7)]) == [Status.OK]
+        assert np.array_equal(out, a)
+        assert not reader.corrupt_counts
+
+
+@pytest.mark.parametrize("forger", ["no secret", "other secret"])
+def test_an_object_forged_under_a_live_key_is_refused_and_counted(
+    inner: MemoryStore, forger: str
+) -> None:
+    """A forger without the secret writes a well-formed object (right fingerprint,
+    key digest, length and checksum) under a key the pool's engines use: a reader
+    with the secret refuses it as FORGED, counted by cause; the honest object and
+    the forged one read differently only in that verdict."""
+    honest = FramedStore(inner, FP, secret=SECRET)
+    a = buf(2000, 12)
+    honest.batch_put(["live", "other"], [split(a), split(a)])
+    elsewhere = MemoryStore(capacity=1 << 20, require_registration=False)
+    evil = FramedStore(elsewhere, FP, secret=None if forger == "no secret" else OTHER_SECRET)
+    bad = a.copy()
+    bad[:16] = 0
+    evil.batch_put(["live"], [split(bad)])
+    _forge(inner, "live", stored_bytes(elsewhere, "live", HEADER_SIZE + bad.nbytes))
+    out, out2 = np.zeros_like(a), np.zeros_like(a)
+    assert honest.batch_get(["live", "other"], [split(out), split(out2)]) == [
+        Status.FORGED,
+        Status.OK,
+    ]
+    cause = CheckFailure.UNSIGNED if forger == "no secret" else CheckFailure.FORGED
+    assert honest.corrupt_counts == {cause: 1}
+    assert np.array_equal(out2, a)
+
+
+def test_a_signed_object_copied_to_another_key_or_altered_is_forged(inner: MemoryStore) -> None:
+    """The signature covers the key itself and every payload byte: an honest object
+    copied under another key (its key digest patched to match) or with a payload
+    byte changed and its xxh3 checksum recomputed, reads FORGED."""
+    framed = FramedStore(inner, FP, secret=SECRET)
+    a = buf(512, 13)
+    framed.batch_put(["a", "c"], [split(a), split(a)])
+    moved = stored_bytes(inner, "a", HEADER_SIZE + a.nbytes)
+    moved[16:24] = np.frombuffer(header.key_digest("b").to_bytes(8, "little"), np.uint8)
+    inner.batch_put(["b"], [[(moved.ctypes.data, moved.nbytes)]])
+    altered = stored_bytes(inner, "c", HEADER_SIZE + a.nbytes)
+    altered[HEADER_SIZE + 5] ^= 0xFF
+    payload = altered[HEADER_SIZE:]
+    checksum = header.payload_checksum([(payload.ctypes.data, payload.nbytes)])
+    altered[32:40] = np.frombuffer(checksum.to_bytes(8, "little"), np.uint8)
+    _forge(inner, "c", altered)
+    out = np.zeros_like(a)
+    assert framed.batch_get(["b"], [split(out)]) == [Status.FORGED]
+    assert framed.batch_get(["c"], [split(out)]) == [Status.FORGED]
+    assert framed.corrupt_counts == {CheckFailure.FORGED: 2}
+
+
+def test_an_empty_secret_is_refused(inner: MemoryStore) -> None:
+    with pytest.raises(ValueError, match="secret"):
+        FramedStore(inner, FP, secret=b"")

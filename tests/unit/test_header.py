@@ -84,6 +84,8 @@ def test_every_single_bit_flip_is_detected_and_named(
     if byte == 6 and bit == 0:  # the checksum flag itself
         # on -> off leaves a checksum without its flag; off -> on claims checksum 0
         expected = CheckFailure.FLAGS if with_checksum else CheckFailure.CHECKSUM
+    elif byte == 6 and bit == 1:  # the signed flag: a signature of zeros is no signature
+        expected = CheckFailure.FLAGS
     elif 32 <= byte < 40 and not with_checksum:
         expected = CheckFailure.FLAGS  # a checksum value without the flag
     assert failure is expected
@@ -274,3 +276,70 @@ def test_header_table_checks_agree_with_check(
     )
     expected = check(unpack(bytes(raw)), want_fp, want_key, want_n, got_cs)
     assert bool(valid[0]) is (expected is None)
+
+
+SECRET = b"s" * 32
+
+
+def _signed(
+    fp: bytes, key: str, payload: bytes, cs: int | None
+) -> tuple[np.ndarray, tuple[np.ndarray, list[tuple[int, int]]]]:
+    """A buffer of two header slots with ``pack`` in slot 1, signed over ``payload``."""
+    data = np.frombuffer(payload, np.uint8).copy()
+    segs = [(data.ctypes.data, data.nbytes)] if data.nbytes else []
+    buf = np.zeros(2 * HEADER_SIZE, dtype=np.uint8)
+    buf[HEADER_SIZE:] = np.frombuffer(pack(fp, key, len(payload), cs), np.uint8)
+    header.HeaderTable(buf, HEADER_SIZE).sign_rows([1], [key], [segs], SECRET)
+    return buf, (data, segs)
+
+
+@given(fingerprints, keys, st.binary(max_size=300), checksums)
+def test_a_signed_header_checks_with_its_secret_only(
+    fp: bytes, key: str, payload: bytes, cs: int | None
+) -> None:
+    buf, (_, segs) = _signed(fp, key, payload, cs)
+    raw = buf[HEADER_SIZE:].tobytes()
+    h = unpack(raw)
+    assert h.signed and raw[56:] == bytes(8)
+    # Only the signed flag and the signature differ from ``pack``'s header.
+    plain = bytearray(raw)
+    plain[6] &= ~header.FLAG_SIGNED
+    plain[40:56] = bytes(16)
+    assert bytes(plain) == pack(fp, key, len(payload), cs)
+    table = header.HeaderTable(buf, HEADER_SIZE)
+    mine = table.signatures([1], [key], [segs], SECRET)
+    other = table.signatures([1], [key], [segs], b"t" * 32)
+    assert mine[0] == h.signature == header.payload_signature(SECRET, raw[:40], key, segs)
+    assert check(h, fp, key, len(payload), None, mine[0]) is None
+    assert check(h, fp, key, len(payload)) is None  # a reader without a secret
+    assert check(h, fp, key, len(payload), None, other[0]) is CheckFailure.FORGED
+    assert table.valid_rows([1], fp, [key], [len(payload)], None, mine) == [True]
+    assert table.valid_rows([1], fp, [key], [len(payload)], None, other) == [False]
+    unsigned = unpack(pack(fp, key, len(payload), cs))
+    assert check(unsigned, fp, key, len(payload), None, mine[0]) is CheckFailure.UNSIGNED
+
+
+@given(
+    fingerprints,
+    keys,
+    st.binary(min_size=1, max_size=200),
+    checksums,
+    st.integers(0, HEADER_SIZE - 1),
+    st.integers(1, 255),
+    st.booleans(),
+)
+def test_signed_header_table_checks_agree_with_check(
+    fp: bytes, key: str, payload: bytes, cs: int | None, pos: int, xor: int, flip_payload: bool
+) -> None:
+    """Any byte of a signed object changed (header or payload): the reader's
+    signature no longer matches, valid_rows refuses it, and ``check`` names a cause."""
+    buf, (data, segs) = _signed(fp, key, payload, cs)
+    if flip_payload:
+        data[pos % data.nbytes] ^= xor
+    else:
+        buf[HEADER_SIZE + pos] ^= xor
+    table = header.HeaderTable(buf, HEADER_SIZE)
+    sigs = table.signatures([1], [key], [segs], SECRET)
+    valid = table.valid_rows([1], fp, [key], [len(payload)], None, sigs)
+    failure = check(unpack(buf[HEADER_SIZE:].tobytes()), fp, key, len(payload), None, sigs[0])
+    assert valid == [False] and failure is not None

@@ -818,3 +818,34 @@ def test_a_damaged_object_is_removed_once_leases_end_never_forced(
     assert wait_until(lambda: "x" not in stored(), timeout=10)
     r.close()
     framed.close()
+
+
+def test_a_forged_object_never_reaches_the_kv_cache_and_is_removed() -> None:
+    """A pool with a secret: an object put under a live key by a client without it
+    (well-formed, checksum and all) loads as FORGED, writes nothing into the KV
+    cache, and is removed so that an honest save can replace it."""
+    from kvpool.pool import wait_until
+    from kvpool.store.framed import FramedStore
+
+    inner = MemoryStore(capacity=1 << 28)
+    secret = bytes(range(32))
+    honest = FramedStore(inner, "00" * 8, secret=secret)
+    forger = FramedStore(inner, "00" * 8)  # the same pool, no secret
+    src = cpu_layers(1)
+    randomize(src, 6)
+    w = engine(forger, src)
+    assert w.submit_save("s", [ChunkRef("x", 0, 0, (1, 2))]) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    dst = cpu_layers(1)
+    dst[0][1].fill_(3.0)
+    r = engine(honest, dst, load_mode="staged")
+    r.submit_load("l", [ChunkRef("x", 0, 0, (1, 2))])
+    (res,) = r.wait(["l"], timeout=30)
+    assert res.statuses["x"] is Status.FORGED
+    assert res.invalid_block_ids == {1, 2}
+    assert bool((dst[0][1] == 3.0).all())  # nothing written into the KV cache
+    assert r.stats().failures == {"forged": 1}
+    stored = inner.keys  # a listing takes no lease (exists and get do)
+    assert wait_until(lambda: "x" not in stored(), timeout=10)
+    r.close()
+    honest.close()

@@ -6,6 +6,7 @@ tier's rows: tests/chaos and ``kvpool.chaos.matrix``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 from collections.abc import Callable
@@ -257,3 +258,56 @@ def test_a_typo_in_the_connector_settings_stops_the_engine_at_start(
     absent = run_engine(spec(tiny_model, "kvpool", str(tmp_path / "no-pool-yet.json")))
     assert absent["results"][0]["cached_tokens"] == 0
     assert "connector stays idle" in absent["log"]
+
+
+def test_a_pool_secret_signs_objects_and_forged_ones_are_refused(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """Engines with a pool secret share prefixes as before (every object signed).
+    Then a client without the secret rewrites every object under its live key,
+    well-formed (a payload byte changed and its xxh3 checksum recomputed, half
+    unsigned, half keeping the old signature): an engine with the secret refuses
+    each as forged, counts them, recomputes, and answers like an engine without
+    kvpool; it writes nothing forged into its KV cache."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvpool.header import FLAG_SIGNED, HEADER_SIZE, payload_checksum, unpack
+    from kvpool.pool import LocalPool, master_keys
+
+    secret = "5e" * 32
+    signed = LocalPool.attach(local_pool.write_pool_file(tmp_path / "pool.json"))
+    signed.secret = secret
+    pool_file = str(signed.write_pool_file(tmp_path / "signed.json"))
+    base = run_engine(spec(tiny_model, "none"))
+    a = run_engine(spec(tiny_model, "kvpool", pool_file))
+    b = run_engine(spec(tiny_model, "kvpool", pool_file))
+    assert_same_outputs(b, base)
+    assert a["results"][0]["cached_tokens"] == 0
+    assert b["results"][0]["cached_tokens"] >= 256
+    assert not b["connector"]["failures"]
+
+    keys = sorted(master_keys(local_pool.config().metrics_url))
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "",
+                     local_pool.master_address) == 0  # fmt: skip
+    try:
+        for i, key in enumerate(keys):
+            obj = bytearray(raw.get(key))
+            assert unpack(bytes(obj)).signed  # A signed what it wrote
+            obj[HEADER_SIZE + 7] ^= 0x40
+            payload = (ctypes.c_char * (len(obj) - HEADER_SIZE)).from_buffer(obj, HEADER_SIZE)
+            cs = payload_checksum([(ctypes.addressof(payload), len(payload))])
+            obj[32:40] = cs.to_bytes(8, "little")
+            if i % 2:
+                obj[6] &= ~FLAG_SIGNED
+                obj[40:56] = bytes(16)
+            del payload
+            assert raw.remove(key, True) == 0 and raw.put(key, bytes(obj)) == 0
+    finally:
+        raw.close()
+
+    c = run_engine(spec(tiny_model, "kvpool", pool_file))
+    assert_same_outputs(c, base)  # nothing forged reached its KV cache
+    assert c["results"][0]["cached_tokens"] == 0
+    assert c["connector"]["failures"].get("forged", 0) >= 1
+    assert set(c["connector"]["failures"]) == {"forged"}

@@ -61,7 +61,9 @@ def measure_hook_overhead(
     )
 
     def open_store(cfg: PoolConfig) -> FramedStore:
-        return FramedStore(MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum)
+        return FramedStore(
+            MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum, secret=cfg.secret
+        )
 
     worker = WorkerSide(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
     worker.register(dict(kv.layers))

@@ -138,7 +138,7 @@ def run_store_bench(
     if any(s <= 0 or s > total_bytes for s in sizes):
         raise ValueError(f"every size must be in 1..{total_bytes} bytes (--total)")
     store = MooncakeStore(config, shared_memory=shared_memory)
-    framed = FramedStore(store, _BENCH_FP, checksum=config.checksum)
+    framed = FramedStore(store, _BENCH_FP, checksum=config.checksum, secret=config.secret)
     transport = "shared memory" if store.shared_memory else config.protocol
     try:
         src = framed.alloc_staging(total_bytes)

@@ -21,6 +21,8 @@ a worker runs one of them)
 
 * ``kvpool``: ``TransferEngine`` over ``FramedStore(checksum=False)``,
 * ``kvpool+checksum``: the same with payload checksums (xxh3) written and verified,
+* ``kvpool+secret``: the same with a pool secret too (every object signed with
+  HMAC-SHA256 and the signature checked on load): what signing costs,
 * ``zero-copy`` and ``zero-copy+checksum``: ``TransferEngine(zero_copy=True)``
   over KV caches in memory the store reaches (shared memory: from
   ``alloc_staging``, as the connector's ``zero_copy`` places vLLM's), no staging,
@@ -77,7 +79,8 @@ __all__ = [
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (32 * KiB, 256 * KiB, 1 * MiB)
 PATHS = ("tcp", "shm")
-VARIANTS = ("raw", "kvpool", "kvpool+checksum", "zero-copy", "zero-copy+checksum")
+VARIANTS = ("raw", "kvpool", "kvpool+checksum", "kvpool+secret", "zero-copy", "zero-copy+checksum")
+_BENCH_SECRET = bytes(range(32))  # any 32 bytes: the cost does not depend on them
 _BENCH_FP = "6b76706f6f6c6265"  # b"kvpoolbe": the bench's own key space
 _DTYPE_BYTES = 4  # float32, as vLLM's CPU backend runs the tiny models
 _WAIT_S = 120.0  # a job that takes longer than this is a hung pool
@@ -164,6 +167,7 @@ class SizeResult:
     copy: float  # GB/s of a numpy copy of the same bytes
     zero: VariantResult | None = None  # zero copy, checksum off
     zero_checksum: VariantResult | None = None  # zero copy, checksum on
+    secret: VariantResult | None = None  # kvpool with checksum on and a pool secret
 
     @property
     def save_ratio(self) -> float:
@@ -204,7 +208,15 @@ class SizeResult:
     @property
     def variants(self) -> tuple[VariantResult, ...]:
         out = (self.raw, self.kvpool, self.checksum)
-        return out + tuple(v for v in (self.zero, self.zero_checksum) if v is not None)
+        more = (self.secret, self.zero, self.zero_checksum)
+        return out + tuple(v for v in more if v is not None)
+
+    @property
+    def secret_cost(self) -> float:
+        """End-to-end seconds with a pool secret over those without (checksum on)."""
+        if self.secret is None or not self.secret.end_to_end:
+            return 0.0
+        return _ratio(self.checksum.end_to_end, self.secret.end_to_end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,8 +449,11 @@ def _variant(
     ones' Mooncake calls in one process by up to a third, measured; raw has its own).
     Staged variants move the shared KV caches ``src`` and ``dst``; zero-copy ones
     copies of them in memory their client reaches."""
-    checksum = name.endswith("+checksum")
-    framed = FramedStore(MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=checksum)
+    checksum = name.endswith(("+checksum", "+secret"))
+    secret = _BENCH_SECRET if name.endswith("+secret") else None
+    framed = FramedStore(
+        MooncakeStore(config, shared_memory=shm), _BENCH_FP, checksum=checksum, secret=secret
+    )
     stack.callback(framed.close)
 
     def engine(cache: _KVCache, **options: Any) -> TransferEngine:
@@ -536,7 +551,7 @@ def _bench_size(
                         t.submit.append(t_submit)
                 t.failures += int(objects - ok.sum())
                 # Each variant's objects go before the next one writes: the holder
-                # need hold one variant's bytes, not all five (at real KV sizes
+                # need hold one variant's bytes, not all six (at real KV sizes
                 # the later variants' puts otherwise met a full pool).
                 removed = raw_store.batch_remove(keys, force=True)
                 if Status.UNAVAILABLE in removed:
@@ -560,6 +575,7 @@ def _bench_size(
         copy=_gbps(nbytes, copies),
         zero=times["zero-copy"].result("zero-copy", nbytes),
         zero_checksum=times["zero-copy+checksum"].result("zero-copy+checksum", nbytes),
+        secret=times["kvpool+secret"].result("kvpool+secret", nbytes),
     )
 
 

@@ -102,6 +102,7 @@ _VARIANT_LABELS = {
     "raw": "raw",
     "kvpool": "kvpool",
     "kvpool+checksum": "kvpool+sum",
+    "kvpool+secret": "kvpool+sig",
     "zero-copy": "0-copy",
     "zero-copy+checksum": "0-copy+sum",
 }
@@ -126,7 +127,8 @@ def transfer_bench_tables(bench: TransferBench) -> list[Table]:
             t.caption = (
                 "GB/s = 1e9 payload bytes/s; e2e = bytes / (save + load); vs raw and vs copy: "
                 "save/load ratios; stall = ms per repeat the caller spends in submit_save; "
-                "+sum = checksum on; kvpool(+sum) copies blocks through staging, 0-copy "
+                "+sum = checksum on; +sig = checksum on and every object signed with a pool "
+                "secret (HMAC-SHA256); kvpool(+sum) copies blocks through staging, 0-copy "
                 "moves them from KV memory the store reaches (connector setting zero_copy).\n"
                 f"targets: save and load >= {TARGET_RATIO:.2f}x raw for "
                 f"{_label(TARGET_SIZES[0])}-{_label(TARGET_SIZES[1])} objects; same host "
@@ -234,6 +236,13 @@ def transfer_verdicts(bench: TransferBench) -> list[str]:
             f"checksum off {_met(best_off >= E2E_TARGET_GBPS)} (best {best_off:.2f} GB/s), "
             f"checksum on {_met(best_on >= E2E_TARGET_GBPS)} (best {best_on:.2f} GB/s)"
         )
+    for path in TRANSFER_PATHS:
+        costs = [r for r in bench.results if r.path == path and r.secret is not None]
+        if costs:
+            figures = ", ".join(f"{_label(r.size)} {r.secret_cost:.2f}x" for r in costs)
+            lines.append(
+                f"{path} pool secret (signed objects): end-to-end time vs checksum only: {figures}"
+            )
     return lines
 
 
@@ -250,6 +259,7 @@ def transfer_bench_json(bench: TransferBench) -> dict[str, Any]:
         row["zero_save_ratio"], row["zero_load_ratio"] = r.zero_save_ratio, r.zero_load_ratio
         row["zero_checksum_save_ratio"] = r.zero_checksum_save_ratio
         row["zero_checksum_load_ratio"] = r.zero_checksum_load_ratio
+        row["secret_cost"] = r.secret_cost
         row["failures"] = r.failures
     if bench.hooks is not None:
         data["hooks"]["step_us"] = bench.hooks.step_us

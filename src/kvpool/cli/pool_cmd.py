@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,8 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     )
     t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
     t.add_row("pool file", str(pool_file))
+    if pool.secret:
+        t.add_row("secret", "objects are signed; the secret is in the pool file (mode 0600)")
     t.add_row("logs", f"{pool.home / 'master.log'}, {pool.home / 'holder.log'}")
     return t
 
@@ -292,6 +295,13 @@ def _starting(pool_file: Path) -> Iterator[None]:
     help="This host's address the master and holder bind and advertise; another host's "
     "address for engines and holders there to reach the pool (the network must be private).",
 )
+@click.option(
+    "--secret",
+    is_flag=True,
+    help="Sign every object with a pool secret, kept in the pool file (mode 0600): engines "
+    "refuse objects not signed with it. Uses $KVPOOL_POOL_SECRET if set (give every host "
+    "the same), else makes one.",
+)
 def up(
     segment_size: int,
     client_ttl: int,
@@ -299,10 +309,14 @@ def up(
     master: str | None,
     metrics_url: str,
     host: str,
+    secret: bool,
 ) -> None:
     """Start a local pool (master + holder) in the background."""
     if metrics_url and master is None:
         raise click.UsageError("--metrics-url goes with --master")
+    pool_secret = ""
+    if secret:
+        pool_secret = os.environ.get("KVPOOL_POOL_SECRET") or secrets.token_hex(32)
     path = pool_file_path()
     with _starting(path):
         live = _live_pool(path)
@@ -322,6 +336,7 @@ def up(
             metrics_url=metrics_url,
             detach=True,
             host=host,
+            secret=pool_secret,
         )
         try:
             pool.write_pool_file(path)

@@ -86,6 +86,7 @@ class LocalPool:
     created: str = ""
     pool_file: Path | None = None
     host: str = LOOPBACK  # the address the master and holder bind and advertise
+    secret: str = field(default="", repr=False)  # PoolConfig.pool_secret; "" = unsigned
     _master: _Process | None = field(default=None, init=False, repr=False)
     _holder: _Process | None = field(default=None, init=False, repr=False)
 
@@ -105,6 +106,7 @@ class LocalPool:
         detach: bool = False,
         timeout_s: float = 20.0,
         host: str = LOOPBACK,
+        secret: str = "",
     ) -> LocalPool:
         """Start a pool under ``home`` and return once it is healthy.
 
@@ -112,7 +114,8 @@ class LocalPool:
         (``metrics_url`` optional, used for the health check and ``status``).
         ``host`` is the address the processes bind and advertise (an address of
         this machine; loopback by default): other hosts reach the pool there.
-        Raises ``StoreMissingDependency`` if a binary or libibverbs is missing and
+        ``secret`` is the pool secret its pool file hands engines (``PoolConfig``
+        checks it). Raises ``StoreMissingDependency`` if a binary or libibverbs is missing and
         ``StoreUnavailable`` (with the log tail) if a process exits or is not
         healthy within ``timeout_s``; whatever was started is stopped first.
         """
@@ -127,6 +130,7 @@ class LocalPool:
             raise ConfigError("with an existing master, there is nothing to start but a holder")
         find_binary(MASTER_BINARY if master_address is None else HOLDER_BINARY)
         check_local_address(host)
+        PoolConfig(pool_secret=secret)  # a malformed secret fails before anything starts
         pool = cls(
             home=home,
             master_address=master_address or "",
@@ -137,6 +141,7 @@ class LocalPool:
             detach=detach,
             created=datetime.now(UTC).isoformat(timespec="seconds"),
             host=host,
+            secret=secret,
         )
         try:
             if master_address is None:
@@ -177,6 +182,7 @@ class LocalPool:
             created=str(data.get("created") or ""),
             pool_file=path,
             host=str(data.get("host") or LOOPBACK),
+            secret=str(data.get("pool_secret") or ""),
         )
         master_pid = data.get("master_pid")
         if isinstance(master_pid, int) and master_pid > 0:
@@ -412,6 +418,7 @@ class LocalPool:
             metrics_url=self.metrics_url,
             global_segment_size=0,
             pool_file=str(self.pool_file or ""),
+            pool_secret=self.secret,
         )
         return replace(base, **overrides)
 
@@ -419,8 +426,10 @@ class LocalPool:
         """What ``write_pool_file`` writes: ``PoolConfig`` fields plus process facts.
 
         ``global_segment_size`` is left out on purpose: ``load_config`` reads the
-        file, and a reader must stay a pure client.
+        file, and a reader must stay a pure client. A ``secret`` makes the file
+        readable by its owner only (``write_pool_file``).
         """
+        secret = {"pool_secret": self.secret} if self.secret else {}
         return {
             "master_address": self.master_address,
             "holder_address": self.holder_address,
@@ -437,21 +446,25 @@ class LocalPool:
             "client_ttl": self.client_ttl,
             "lease_ttl_ms": self.lease_ttl_ms,
             "created": self.created,
+            **secret,
         }
 
     def write_pool_file(self, path: str | Path) -> Path:
-        """Write the pool file atomically (temporary file, then rename); return its path."""
+        """Write the pool file atomically (temporary file, then rename); return its path.
+        Mode 0600 when it holds a pool secret (it is created so: never readable by
+        others, not even for a moment), else 0644."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         data = (json.dumps(self.pool_file_data(), indent=2) + "\n").encode()
         # A new file only: never through a link (or a file) someone put at that name.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        mode = 0o600 if self.secret else 0o644
         try:
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, mode)
         except FileExistsError:
             tmp.unlink()  # a leftover of ours (same pid) or a planted link: removed, not followed
-            fd = os.open(tmp, flags, 0o644)
+            fd = os.open(tmp, flags, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

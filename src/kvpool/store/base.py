@@ -83,6 +83,9 @@ class Status(enum.Enum):
     # get: a whole object written by a healthy writer without the checksum this
     # reader requires: not damaged, so left in place
     MISMATCH = "mismatch"
+    # get: not signed with this reader's pool secret (forged, or written by a
+    # client without it): never trusted, removed like a corrupt object
+    FORGED = "forged"
     TIMED_OUT = "timed_out"  # no answer within the caller's deadline (e.g. a frozen holder)
     # Not attempted: the caller refused it locally (its staging or queue was
     # busy) and never asked the store. Says nothing about the store's health.

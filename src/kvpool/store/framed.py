@@ -1,6 +1,6 @@
 """``FramedStore``: a ``KVStore`` that stores a checked header before every payload.
 
-    FramedStore(inner, fingerprint, checksum=True)
+    FramedStore(inner, fingerprint, checksum=True, secret=None)
 
 It is itself a ``KVStore`` whose segments are *payloads*: callers never see
 headers. It owns ``inner`` and closes it.
@@ -16,7 +16,9 @@ headers. It owns ``inner`` and closes it.
                                 with ``verify``, the checksum, which the header must
                                 then carry; damaged bytes are CORRUPT, an object of
                                 a healthy writer with checksums off is MISMATCH
-                                (left in place): never OK either way
+                                (left in place): never OK either way. With a
+                                ``secret``, puts are signed and gets refuse
+                                objects not signed with it (FORGED)
     batch_exists, batch_remove  passed through (an exists hit may still read CORRUPT)
 
 Each rejection is counted per cause in ``corrupt_counts`` and logged at WARNING
@@ -55,6 +57,12 @@ _first = operator.itemgetter(0)
 logger = logging.getLogger(__name__)
 
 
+def _status(failure: CheckFailure) -> Status:
+    if failure.untrusted:
+        return Status.FORGED
+    return Status.CORRUPT if failure.damaged else Status.MISMATCH
+
+
 class FramedStore(KVStore):
     """Adds and checks object headers around any ``KVStore``. See the module docstring.
 
@@ -65,7 +73,8 @@ class FramedStore(KVStore):
     slots, and each backend sub-batch holds at most ``slots`` of them.
     ``inline_bytes`` (default: ``inner.merge_bytes``) is the largest first payload
     segment copied into the header's slot; slots then shrink to fit an arena of
-    about ``INLINE_ARENA`` bytes.
+    about ``INLINE_ARENA`` bytes. ``secret`` (``PoolConfig.pool_secret``) signs
+    every put and is required of every get (``kvpool.header``, "Signatures").
     """
 
     INLINE_ARENA = 16 << 20
@@ -79,8 +88,12 @@ class FramedStore(KVStore):
         verify: bool | None = None,
         slots: int = 1024,
         inline_bytes: int | None = None,
+        secret: bytes | None = None,
     ) -> None:
         super().__init__()
+        if secret is not None and not secret:
+            raise ValueError("a pool secret must not be empty (None: unsigned objects)")
+        self._secret = secret
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         inline = inner.merge_bytes if inline_bytes is None else inline_bytes
@@ -163,6 +176,8 @@ class FramedStore(KVStore):
             # header.HeaderTable).
             sums = batch_checksums(segments) if self.checksum else None
             self._table.pack_rows(slots, self.fingerprint, keys, totals(segments), sums)
+            if self._secret is not None:
+                self._table.sign_rows(slots, keys, segments, self._secret)
             return self._inner(self.inner._put, keys, self._frames(slots, segments, copy_in=True))
         finally:
             self._release(slots)
@@ -185,13 +200,17 @@ class FramedStore(KVStore):
             if self.inline_bytes:
                 self._copy_out(rows, payloads)
             sums = batch_checksums(payloads) if self.verify else None
+            sigs = None
+            if self._secret is not None:
+                sigs = self._table.signatures(rows, got_keys, payloads, self._secret)
             lengths = totals(payloads)
-            valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums)
+            valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums, sigs)
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
                 checksum = sums[j] if sums is not None else None
-                failure = self._failure(keys[i], lengths[j], slots[i], checksum)
-                out[i] = Status.CORRUPT if failure.damaged else Status.MISMATCH
+                sig = sigs[j] if sigs is not None else None
+                failure = self._failure(keys[i], lengths[j], slots[i], checksum, sig)
+                out[i] = _status(failure)
                 self._reject(keys[i], failure)
             return out
         finally:
@@ -210,10 +229,13 @@ class FramedStore(KVStore):
             return [Status.UNAVAILABLE] * len(keys)
         return self.inner._call(op, keys, framed)
 
-    def _failure(self, key: str, length: int, slot: int, checksum: int | None) -> CheckFailure:
+    def _failure(
+        self, key: str, length: int, slot: int, checksum: int | None, signature: bytes | None
+    ) -> CheckFailure:
         """Why the header in ``slot`` failed ``HeaderTable.valid_rows`` (the slow path)."""
         header = unpack(self._view, slot * self._slot_bytes)
-        return check(header, self.fingerprint, key, length, checksum) or CheckFailure.CHECKSUM
+        failure = check(header, self.fingerprint, key, length, checksum, signature)
+        return failure or CheckFailure.CHECKSUM
 
     def _inlined(self, n: int) -> bool:
         """Whether a first payload segment of ``n`` bytes travels in the header's slot."""

@@ -34,6 +34,8 @@ from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece
 
 __all__ = ["Loads"]
 
+_DISCARDED = (Status.CORRUPT, Status.FORGED)  # removed after a failed load
+
 logger = logging.getLogger("kvpool.transfer.engine")
 
 
@@ -178,9 +180,10 @@ class Loads:
         core.remember(k for k, s in statuses.items() if s.ok)
         bad = [k for k, s in statuses.items() if not s.ok]
         core.forget(bad)
-        # A damaged object is removed (not forced: other readers' leases hold), so
-        # it misses next time; a MISMATCH (another config's or mode's object) stays.
-        core.discard([k for k in bad if statuses[k] is Status.CORRUPT])
+        # A damaged or forged object is removed (not forced: other readers' leases
+        # hold), so it misses next time and a save can replace it; a MISMATCH
+        # (another config's or mode's object) stays.
+        core.discard([k for k in bad if statuses[k] in _DISCARDED])
         self.finish(job, statuses)
 
     # -- reporting ---------------------------------------------------------------------

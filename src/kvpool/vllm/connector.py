@@ -114,7 +114,9 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
         inner = open_store(settings.store, pool, shared_memory=shm)
         path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
         logger.info("kvpool: worker moves KV to the pool at %s over %s", pool.master_address, path)
-        return FramedStore(inner, identity.space.fingerprint, checksum=pool.checksum)
+        return FramedStore(
+            inner, identity.space.fingerprint, checksum=pool.checksum, secret=pool.secret
+        )
 
     return open_framed
 

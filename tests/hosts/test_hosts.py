@@ -17,6 +17,7 @@ import pytest
 Host = Any  # tests/hosts/conftest.py's Host: name, address, wrap, env(), run()
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+MAX_BACKOFF_S = 1.0  # kvpool.lookup.client.LookupClient's default max_backoff_s
 _KVPOOL = "import sys; from kvpool.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -32,6 +33,13 @@ def _kvpool(host: Host, home: Path, *args: str) -> str:
     r = host.run([sys.executable, "-c", _KVPOOL, *args], env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return str(r.stdout)
+
+
+def _master_reachable(host: Host, pool_file: Path) -> bool:
+    """Does ``kvpool status`` on ``host`` reach the master of ``pool_file``?"""
+    env = host.env(KVPOOL_POOL_FILE=str(pool_file), PYTHONPATH=str(SRC))
+    r = host.run([sys.executable, "-c", _KVPOOL, "status", "--json"], env=env, timeout=60)
+    return r.returncode == 0 and bool(json.loads(r.stdout)["reachable"])
 
 
 @pytest.fixture
@@ -58,27 +66,40 @@ def _engine(
 ) -> Any:
     from kvpool.demo.session import EngineSession
 
-    rng = random.Random(3)
+    spec, env, wrap = _spec(host, model, pool_file, prompts=_family(3), **extra)
+    return EngineSession.run(spec, tmp, name, env=env, wrap=wrap)
+
+
+def _family(seed: int) -> list[list[int]]:
+    """Three prompts sharing a 256-token prefix, with distinct tails."""
+    rng = random.Random(seed)
     shared = [rng.randrange(10, 1000) for _ in range(256)]
+    return [shared + [rng.randrange(10, 1000) for _ in range(40 + 7 * i)] for i in range(3)]
+
+
+def _spec(
+    host: Host | None, model: Path, pool_file: str, **spec_extra: Any
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """An engine spec (``prompts`` or ``phases`` in ``spec_extra``; other keys go to
+    the connector), its environment and the command prefix of its host."""
+    names: tuple[str, ...] = ("prompts", "phases", "hold")
+    work: dict[str, Any] = {k: spec_extra.pop(k) for k in names if k in spec_extra}
     spec: dict[str, Any] = {
         "model": str(model),
-        "prompts": [
-            shared + [rng.randrange(10, 1000) for _ in range(40 + 7 * i)] for i in range(3)
-        ],
         "max_tokens": 8,
         "connector": "kvpool" if pool_file else "none",
         "block_size": 32,
+        **work,
     }
     if pool_file:
         # These tests assert hits, not lookup latency: a loaded machine must not turn a
         # slow lookup into a miss.
-        spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **extra}
+        spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **spec_extra}
         spec["log_level"] = "INFO"  # the worker says which path it moves KV over
-    pythonpath = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     if host is None:
-        return EngineSession.run(spec, tmp, name, env={"PYTHONPATH": pythonpath})
-    env = {"PYTHONPATH": pythonpath, "MC_TCP_BIND_ADDRESS": host.address}
-    return EngineSession.run(spec, tmp, name, env=env, wrap=host.wrap)
+        return spec, env, []
+    return spec, {**env, "MC_TCP_BIND_ADDRESS": host.address}, list(host.wrap)
 
 
 def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
@@ -188,3 +209,56 @@ def test_the_masters_host_cut_off_costs_misses_and_the_pool_serves_again_after(
     d = _engine(hosts[2], tiny_model, tmp_path, "host3-again", str(host1_file))
     assert [r["tokens"] for r in d["results"]] == [r["tokens"] for r in base["results"]]
     assert d["connector"]["bytes_saved"] > 0
+
+
+def test_the_masters_host_cut_off_while_an_engine_runs_costs_misses_then_it_hits_again(
+    hosts: list[Host], pool_files: tuple[Path, Path], tiny_model: Path, tmp_path: Path
+) -> None:
+    """An engine on host 3 runs three batches of prompts whose prefixes an engine on
+    host 1 saved (to the holder beside the master). Between the first and second,
+    host 1 is cut off: the second batch's lookups miss within their deadline and
+    its answers equal an engine's without kvpool, no request stalls. Link back:
+    the same engine, not restarted, loads the third batch's prefix from the pool."""
+    import subprocess
+    import time
+
+    from kvpool.demo.session import EngineSession
+    from kvpool.pool import wait_until
+
+    host1_file = pool_files[0]
+    families = [_family(seed) for seed in (11, 12, 13)]
+    every = [p for f in families for p in f]
+    spec, env, _ = _spec(None, tiny_model, "", prompts=every)
+    base = EngineSession.run(spec, tmp_path, "base", env=env)["results"]
+    spec, env, wrap = _spec(hosts[0], tiny_model, str(host1_file), prompts=every)
+    saved = EngineSession.run(spec, tmp_path, "host1", env=env, wrap=wrap)
+    assert saved["connector"]["bytes_saved"] > 0
+    spec, env, wrap = _spec(hosts[2], tiny_model, str(host1_file), phases=families, hold=True,
+                            lookup_timeout_ms=500, load_timeout_s=2)  # fmt: skip
+    cut = ["ip", "-n", hosts[0].name, "link", "set", "eth0"]
+    with EngineSession.start(spec, tmp_path, "host3", env=env, wrap=wrap) as engine:
+        engine.ready()
+        before = engine.next_phase()
+        subprocess.run([*cut, "down"], check=True)
+        try:
+            during = engine.next_phase(timeout=120)
+        finally:
+            subprocess.run([*cut, "up"], check=True)
+        linked = time.monotonic()
+        # The link is back once host 3 reaches the master again (a fresh client).
+        # The engine's lookup client then sends again after its backoff, which
+        # grows to at most MAX_BACKOFF_S and is a timer, not an event: waited out.
+        assert wait_until(lambda: _master_reachable(hosts[2], host1_file), timeout=30)
+        time.sleep(MAX_BACKOFF_S)
+        after = engine.next_phase(timeout=120)
+        back_s = time.monotonic() - linked
+        engine.finish()
+    phases = (before, during, after)
+    for i, phase in enumerate(phases):
+        want = base[3 * i : 3 * i + 3]
+        assert [r["tokens"] for r in phase["results"]] == [r["tokens"] for r in want], i
+    assert before["results"][0]["cached_tokens"] >= 256  # from the pool
+    assert during["results"][0]["cached_tokens"] == 0  # the master unreachable: a miss
+    slowest = max(r["total_s"] for r in during["results"])
+    assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s while host 1 was cut off"
+    assert after["results"][0]["cached_tokens"] >= 256, f"no hit {back_s:.1f} s after link back"

@@ -125,6 +125,11 @@ def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
     status = json.loads(_kvpool(hosts[0], host1_file.parent, "status", "--json"))
     assert sorted(status["hosts"]) == [hosts[0].address, hosts[1].address]
     assert sum(h["used_bytes"] for h in status["hosts"].values()) > 0
+    # ... and which host holds each key: every key on one host at least, host 2's
+    # engine's saves on host 2's holder (shared memory to its own holder).
+    assert status["host_keys_sampled"] == status["keys"] > 0
+    per_host = {h: v["keys"] for h, v in status["hosts"].items()}
+    assert sum(per_host.values()) >= status["keys"] and per_host[hosts[1].address] > 0
     assert b["results"][0]["cached_tokens"] >= 256  # host 3's prefix came from the pool
     assert b["connector"]["chunks_loaded"] > 0 and not b["connector"]["failures"]
 

@@ -22,6 +22,7 @@ from kvpool.pool import (
     LocalPool,
     find_binary,
     is_mooncake_process,
+    key_hosts,
     master_keys,
     pool_status,
     segment_capacities,
@@ -252,6 +253,10 @@ def test_keys_are_listed(local_pool: LocalPool) -> None:
     assert status.namespaces.other == 1
     (row,) = status.namespaces.rows
     assert (row.model, row.group, row.keys, row.contents) == ("org/m", 0, 1, 1)
+    # Which host holds each key: the holder's, on loopback; a key gone counts nowhere.
+    keys = [*master_keys(local_pool.metrics_url), "no-such-key"]
+    assert key_hosts(local_pool.metrics_url, keys) == {"127.0.0.1": 2}
+    assert status.host_keys == {} and status.host_keys_sampled == 0  # one host: not asked
 
 
 def test_unhealthy_start_reports_log_tail(pool_factory: PoolFactory, tmp_path: Path) -> None:

@@ -128,6 +128,19 @@ def test_a_pool_across_hosts_shows_memory_per_host() -> None:
     }
     assert "hosts" not in _render(status_view(_status(), Path("/p")))  # one host: no row
 
+    # Keys per host, exact when every key was asked, "~" when a sample was scaled.
+    for sampled, mark in ((7, ""), (3, "~")):
+        counted = _status(
+            segments=two.segments,
+            segments_used=two.segments_used,
+            host_keys={"10.0.0.1": 2, "10.0.0.2": 5},
+            host_keys_sampled=sampled,
+        )
+        text = _render(status_view(counted, Path("/p")))
+        assert f"10.0.0.2: 2.0 MiB used of 2.0 GiB (2 segments), {mark}5 keys" in text
+        js = json.loads(json.dumps(status_json(counted, Path("/p"))))
+        assert js["hosts"]["10.0.0.1"]["keys"] == 2 and js["host_keys_sampled"] == sampled
+
 
 def test_up_summary_and_flag(tmp_path: Path) -> None:
     pool = LocalPool(
@@ -160,3 +173,28 @@ def test_bad_options_exit_2_before_starting_anything(
     assert run(["up", "--metrics-url", "http://127.0.0.1:1"]) == 2
     assert "segment" in capsys.readouterr().err
     assert not (tmp_path / "pool.json").exists()
+
+
+def test_keys_per_host_are_counted_exactly_or_scaled_from_a_sample(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from collections import Counter
+
+    from kvpool.pool import status as status_mod
+
+    keys = [f"k{i}" for i in range(3000)]
+    asked: list[int] = []
+
+    def hosts(url: str, sample: list[str], timeout: float) -> Counter[str]:
+        asked.append(len(sample))
+        return Counter({"10.0.0.1": sum(k < "k2" for k in sample), "10.0.0.2": len(sample)})
+
+    monkeypatch.setattr(status_mod, "master_keys", lambda url, timeout: keys)
+    monkeypatch.setattr(status_mod, "key_hosts", hosts)
+    counts, sampled = status_mod._keys_per_host("http://x", 1.0)
+    assert sampled == status_mod.KEY_SAMPLE == asked[0]
+    assert counts["10.0.0.2"] == 3000  # every key has a replica there
+    assert 700 < counts["10.0.0.1"] < 1500  # ~1111 of 3000 sort below "k2"
+    monkeypatch.setattr(status_mod, "master_keys", lambda url, timeout: keys[:10])
+    counts, sampled = status_mod._keys_per_host("http://x", 1.0)
+    assert sampled == 10 and counts == {"10.0.0.1": 2, "10.0.0.2": 10}  # "k0", "k1": exact

@@ -124,12 +124,21 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
     segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
     t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
     hosts = status.hosts()
-    if len(hosts) > 1:  # a pool across hosts: memory per host
+    if len(hosts) > 1:  # a pool across hosts: memory (and keys) per host
         t.add_row("hosts", "\n".join(
             f"{h}: {format_bytes(u)} used of {format_bytes(c)} ({n} segment{'s' * (n > 1)})"
+            + _host_keys(status, h)
             for h, (n, u, c) in hosts.items()
         ))  # fmt: skip
     return t
+
+
+def _host_keys(status: PoolStatus, host: str) -> str:
+    if not status.host_keys_sampled:
+        return ""
+    n = status.host_keys.get(host, 0)
+    estimated = status.keys is not None and status.host_keys_sampled < status.keys
+    return f", {'~' if estimated else ''}{n} keys"
 
 
 def namespace_table(summary: NamespaceSummary) -> Table:
@@ -174,8 +183,10 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         "segments": dict(status.segments),
         "hosts": {
             h: {"segments": n, "used_bytes": u, "capacity_bytes": c}
+            | ({"keys": status.host_keys.get(h, 0)} if status.host_keys_sampled else {})
             for h, (n, u, c) in status.hosts().items()
         },
+        "host_keys_sampled": status.host_keys_sampled,
         "namespaces": None
         if ns is None
         else {

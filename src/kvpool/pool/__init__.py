@@ -15,6 +15,7 @@ from kvpool.pool.binaries import HOLDER_BINARY, MASTER_BINARY, find_binary
 from kvpool.pool.local import GiB, LocalPool
 from kvpool.pool.master_api import (
     completed_puts,
+    key_hosts,
     master_keys,
     master_metrics,
     parse_metrics,
@@ -42,6 +43,7 @@ __all__ = [
     "find_binary",
     "free_ports",
     "is_mooncake_process",
+    "key_hosts",
     "master_keys",
     "master_metrics",
     "namespace_counts",

@@ -4,6 +4,8 @@
                                  (``parse_metrics(text)`` is the pure parser)
     master_health(url)           the JSON object of ``/health`` (``service_ready``, ...)
     master_keys(url)             every key the master knows (``/get_all_keys``)
+    key_hosts(url, keys)         per host, how many of ``keys`` have a replica there
+                                 (``/query_key``, one request per key, in parallel)
     completed_puts(metrics)      objects whose put finished, from ``master_metrics``
     segment_capacities(metrics)  mounted segments -> capacity in bytes
     segment_usage(metrics)       mounted segments -> bytes allocated to objects
@@ -21,14 +23,18 @@ import contextlib
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool.errors import KVPoolError, StoreUnavailable
 
 __all__ = [
     "completed_puts",
+    "key_hosts",
     "master_health",
     "master_keys",
     "master_metrics",
@@ -125,6 +131,46 @@ def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
     """
     body = _http_get(_endpoint(metrics_url, "/get_all_keys"), timeout)
     return [k for k in body.decode("utf-8", "replace").split("\n") if k]
+
+
+# The master reads /query_key's key as sent, not percent-decoded: a kvpool key (ASCII,
+# its model already percent-quoted) goes out as it is; other characters are quoted,
+# and a key that needs them counts nowhere.
+_AS_IS = "/%:@=+,"
+
+
+def key_hosts(metrics_url: str, keys: Sequence[str], timeout: float = 2.0) -> Counter[str]:
+    """Per host (the address part of a replica's transport endpoint), how many of
+    ``keys`` have a replica there; a key on two hosts counts on both. A key gone
+    since it was listed, or one the master does not answer for, counts nowhere.
+    Raises ``StoreUnavailable`` only if no key could be asked at all."""
+    base = _endpoint(metrics_url, "/query_key?key=")
+
+    def hosts_of(key: str) -> set[str] | None:
+        try:
+            body = _http_get(base + urllib.parse.quote(key, safe=_AS_IS), timeout)
+            data = json.loads(body.decode())
+        except (StoreUnavailable, ValueError):
+            return None
+        replicas = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(replicas, list):
+            return set()  # no such key (any more)
+        return {
+            str(r.get("transport_endpoint_", "")).rpartition(":")[0]
+            for r in replicas
+            if isinstance(r, dict) and r.get("transport_endpoint_")
+        }
+
+    counts: Counter[str] = Counter()
+    if not keys:
+        return counts
+    with ThreadPoolExecutor(max_workers=min(8, len(keys))) as pool:
+        answers = list(pool.map(hosts_of, keys))
+    if all(a is None for a in answers):
+        raise StoreUnavailable(f"{metrics_url} answered no /query_key request")
+    for hosts in answers:
+        counts.update(hosts or ())
+    return counts
 
 
 def segment_capacities(metrics: Mapping[str, float]) -> dict[str, float]:

@@ -2,7 +2,9 @@
 
     pool_status(pool)            one ``PoolStatus`` record: processes, key count,
                                  bytes, clients, segments, namespaces;
-                                 ``hosts()`` its memory per host
+                                 ``hosts()`` its memory per host, and keys per
+                                 host when it spans hosts (``KEY_SAMPLE`` keys
+                                 asked at most: beyond, the counts are estimates)
     namespace_counts(keys)       keys grouped by kvpool namespace and KV group
                                  (``NamespaceSummary``); other keys counted apart
 
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -21,11 +24,13 @@ from dataclasses import dataclass, field, replace
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
 from kvpool.pool.local import LocalPool
-from kvpool.pool.master_api import master_keys, segment_capacities, segment_usage
+from kvpool.pool.master_api import key_hosts, master_keys, segment_capacities, segment_usage
 
 __all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
 
 log = logging.getLogger(__name__)
+
+KEY_SAMPLE = 1000  # keys whose host status asks, at most (one HTTP request each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +88,8 @@ class PoolStatus:
     segments: Mapping[str, int] = field(default_factory=dict)  # name -> capacity, bytes
     namespaces: NamespaceSummary | None = None  # None if the master cannot list keys
     segments_used: Mapping[str, int] = field(default_factory=dict)  # name -> bytes in use
+    host_keys: Mapping[str, int] = field(default_factory=dict)  # host -> keys with a replica
+    host_keys_sampled: int = 0  # keys asked for host_keys; < keys: the counts are scaled
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -118,6 +125,12 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         value = metrics.get(name)
         return None if value is None else int(value)
 
+    segments = {name: int(cap) for name, cap in segment_capacities(metrics).items()}
+    host_keys: dict[str, int] = {}
+    sampled = 0
+    if list_keys and len({n.rpartition(":")[0] or n for n in segments}) > 1:
+        host_keys, sampled = _keys_per_host(pool.metrics_url, timeout)
+
     return replace(
         base,
         reachable=True,
@@ -125,7 +138,24 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         used_bytes=gauge("master_allocated_bytes"),
         capacity_bytes=gauge("master_total_capacity_bytes"),
         clients=gauge("master_active_clients"),
-        segments={name: int(cap) for name, cap in segment_capacities(metrics).items()},
+        segments=segments,
         segments_used={name: int(n) for name, n in segment_usage(metrics).items()},
         namespaces=namespaces,
+        host_keys=host_keys,
+        host_keys_sampled=sampled,
     )
+
+
+def _keys_per_host(metrics_url: str, timeout: float) -> tuple[dict[str, int], int]:
+    """Keys per host: exact for up to ``KEY_SAMPLE`` keys, else those of a random
+    sample scaled to the total; and how many keys were asked. Empty if the master
+    cannot say."""
+    try:
+        keys = master_keys(metrics_url, timeout=5 * timeout)
+        sample = keys if len(keys) <= KEY_SAMPLE else random.sample(keys, KEY_SAMPLE)
+        counts = key_hosts(metrics_url, sample, timeout)
+    except StoreUnavailable as exc:
+        log.info("cannot count keys per host: %s", exc)
+        return {}, 0
+    scale = len(keys) / len(sample) if sample else 0.0
+    return {h: round(n * scale) for h, n in sorted(counts.items())}, len(sample)

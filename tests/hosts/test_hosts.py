@@ -122,6 +122,12 @@ def test_an_engine_on_another_host_loads_a_prefix_saved_on_a_third(
     # Host 2 has a holder: its engine uses it through shared memory. Host 3 has
     # none: its engine reaches the pool over TCP.
     a = _engine(hosts[1], tiny_model, tmp_path, "host2", str(host2_file))
+    # Host 2's saves went to its own holder, every one (puts ask for a local segment).
+    local = _status(hosts[0], host1_file)
+    assert {h: v["keys"] for h, v in local["hosts"].items()} == {
+        hosts[0].address: 0,
+        hosts[1].address: local["keys"],
+    }
     b = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file))
     for run in (a, b):
         assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in base["results"]]

@@ -380,6 +380,7 @@ class MooncakeStore(KVStore):
                 list(keys),
                 ptrs,
                 sizes,
+                _local_first(),
             )
         return self._statuses("put", keys, codes)
 
@@ -471,6 +472,18 @@ class MooncakeStore(KVStore):
         if status is not Status.OK and status is not Status.MISSING:
             logger.debug("kvpool: Mooncake %s of %r returned %d (%s)", op, key, code, status.name)
         return status
+
+
+def _local_first() -> Any:
+    """Mooncake's put options asking the master for a segment on this client's node
+    first (another node's when it has none, or it is full): a host's saves stay in
+    its own holder. Without it the master spread a host's saves over every holder
+    (measured on the hosts tier: 14 of 22 objects local, 22 of 22 with it)."""
+    from mooncake.store import ReplicateConfig
+
+    config = ReplicateConfig()
+    config.prefer_alloc_in_same_node = True
+    return config
 
 
 def _columns(segments: Sequence[Segments]) -> tuple[list[list[int]], list[list[int]]]:

@@ -476,7 +476,8 @@ class MooncakeStore(KVStore):
 
 def _local_first() -> Any:
     """Mooncake's put options asking the master for a segment on this client's node
-    first (another node's when it has none, or it is full): a host's saves stay in
+    first (another node's when it has none: checked on the hosts tier; when the
+    local one is full: the master's rule, not checked here): a host's saves stay in
     its own holder. Without it the master spread a host's saves over every holder
     (measured on the hosts tier: 14 of 22 objects local, 22 of 22 with it)."""
     from mooncake.store import ReplicateConfig

@@ -105,6 +105,7 @@ HEADER_SIZE = _STRUCT.size  # 64
 SIGNED_BYTES = 40  # the header bytes a signature covers: all before it
 SIGNATURE_SIZE = 16
 _ZERO = bytes(24)
+_ZERO_SIG = bytes(SIGNATURE_SIZE)
 _ZERO_TAIL = bytes(24 - SIGNATURE_SIZE)
 _FLAGS = struct.Struct("<H")
 _FLAGS_AT = 6
@@ -323,10 +324,10 @@ def check(
         return CheckFailure.VERSION
     if header.flags & ~_KNOWN_FLAGS or (not header.has_checksum and header.checksum):
         return CheckFailure.FLAGS
-    if header.signed and header.signature == _ZERO[:SIGNATURE_SIZE]:
+    if header.signed and header.signature == _ZERO_SIG:
         return CheckFailure.FLAGS  # a signature of 16 zero bytes: the flag alone flipped
     if header.reserved[SIGNATURE_SIZE:] != _ZERO_TAIL or (
-        not header.signed and header.signature != _ZERO[:SIGNATURE_SIZE]
+        not header.signed and header.signature != _ZERO_SIG
     ):
         return CheckFailure.RESERVED
     if header.fingerprint != fingerprint:
@@ -394,7 +395,7 @@ class HeaderTable:
         """Per row: would ``check(unpack(row), fingerprint, keys[i], lengths[i],
         checksums[i], signatures[i])`` return None? (None: not compared.)"""
         get, view, stride, digest = _STRUCT.unpack_from, self._view, self._stride, _DIGEST
-        cut, tail, zero_sig = SIGNATURE_SIZE, _ZERO_TAIL, _ZERO[:SIGNATURE_SIZE]
+        cut, tail, zero_sig = SIGNATURE_SIZE, _ZERO_TAIL, _ZERO_SIG
         out = []
         for i, (row, key, n) in enumerate(zip(rows, keys, lengths, strict=True)):
             magic, version, flags, fp, dig, length, cs, reserved = get(view, row * stride)
@@ -424,15 +425,13 @@ class HeaderTable:
         secret: bytes,
     ) -> None:
         """Mark the packed headers in ``rows`` signed and write their signatures
-        (``payload_signature`` of each, over ``payloads[i]``)."""
+        (``signatures`` of the headers so marked)."""
         view, stride = self._view, self._stride
-        for row, key, payload in zip(rows, keys, payloads, strict=True):
-            at = row * stride
-            (flags,) = _FLAGS.unpack_from(view, at + _FLAGS_AT)
-            _FLAGS.pack_into(view, at + _FLAGS_AT, flags | FLAG_SIGNED)
-            head = view[at : at + SIGNED_BYTES]
-            sig = payload_signature(secret, head, key, payload)
-            view[at + SIGNED_BYTES : at + SIGNED_BYTES + SIGNATURE_SIZE] = sig
+        for row in rows:
+            (flags,) = _FLAGS.unpack_from(view, row * stride + _FLAGS_AT)
+            _FLAGS.pack_into(view, row * stride + _FLAGS_AT, flags | FLAG_SIGNED)
+        for row, sig in zip(rows, self.signatures(rows, keys, payloads, secret), strict=True):
+            view[row * stride + SIGNED_BYTES : row * stride + SIGNED_BYTES + SIGNATURE_SIZE] = sig
 
     def signatures(
         self,

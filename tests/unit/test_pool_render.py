@@ -189,12 +189,10 @@ def test_keys_per_host_are_counted_exactly_or_scaled_from_a_sample(
         asked.append(len(sample))
         return Counter({"10.0.0.1": sum(k < "k2" for k in sample), "10.0.0.2": len(sample)})
 
-    monkeypatch.setattr(status_mod, "master_keys", lambda url, timeout: keys)
     monkeypatch.setattr(status_mod, "key_hosts", hosts)
-    counts, sampled = status_mod._keys_per_host("http://x", 1.0)
+    counts, sampled = status_mod._keys_per_host("http://x", keys, 1.0)
     assert sampled == status_mod.KEY_SAMPLE == asked[0]
     assert counts["10.0.0.2"] == 3000  # every key has a replica there
     assert 700 < counts["10.0.0.1"] < 1500  # ~1111 of 3000 sort below "k2"
-    monkeypatch.setattr(status_mod, "master_keys", lambda url, timeout: keys[:10])
-    counts, sampled = status_mod._keys_per_host("http://x", 1.0)
+    counts, sampled = status_mod._keys_per_host("http://x", keys[:10], 1.0)
     assert sampled == 10 and counts == {"10.0.0.1": 2, "10.0.0.2": 10}  # "k0", "k1": exact

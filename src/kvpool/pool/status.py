@@ -95,10 +95,15 @@ class PoolStatus:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
         out: dict[str, tuple[int, int, int]] = {}
         for name, cap in self.segments.items():
-            host = name.rpartition(":")[0] or name
+            host = _host(name)
             n, used, total = out.get(host, (0, 0, 0))
             out[host] = (n + 1, used + self.segments_used.get(name, 0), total + cap)
         return dict(sorted(out.items()))
+
+
+def _host(segment: str) -> str:
+    """The host of a segment named ``host:port``."""
+    return segment.rpartition(":")[0] or segment
 
 
 def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -> PoolStatus:
@@ -114,10 +119,11 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         metrics = pool.metrics(timeout)
     except StoreUnavailable as exc:
         return replace(base, error=str(exc))
-    namespaces = None
+    namespaces, keys = None, None
     if list_keys:
         try:
-            namespaces = namespace_counts(master_keys(pool.metrics_url, timeout=5 * timeout))
+            keys = master_keys(pool.metrics_url, timeout=5 * timeout)
+            namespaces = namespace_counts(keys)
         except StoreUnavailable as exc:
             log.info("cannot list keys: %s", exc)
 
@@ -128,8 +134,8 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
     segments = {name: int(cap) for name, cap in segment_capacities(metrics).items()}
     host_keys: dict[str, int] = {}
     sampled = 0
-    if list_keys and len({n.rpartition(":")[0] or n for n in segments}) > 1:
-        host_keys, sampled = _keys_per_host(pool.metrics_url, timeout)
+    if keys is not None and len(set(map(_host, segments))) > 1:
+        host_keys, sampled = _keys_per_host(pool.metrics_url, keys, timeout)
 
     return replace(
         base,
@@ -146,12 +152,11 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
     )
 
 
-def _keys_per_host(metrics_url: str, timeout: float) -> tuple[dict[str, int], int]:
-    """Keys per host: exact for up to ``KEY_SAMPLE`` keys, else those of a random
-    sample scaled to the total; and how many keys were asked. Empty if the master
-    cannot say."""
+def _keys_per_host(metrics_url: str, keys: list[str], timeout: float) -> tuple[dict[str, int], int]:
+    """Keys per host of the pool's ``keys``: exact for up to ``KEY_SAMPLE`` keys,
+    else those of a random sample scaled to the total; and how many keys were
+    asked. Empty if the master cannot say."""
     try:
-        keys = master_keys(metrics_url, timeout=5 * timeout)
         sample = keys if len(keys) <= KEY_SAMPLE else random.sample(keys, KEY_SAMPLE)
         counts = key_hosts(metrics_url, sample, timeout)
     except StoreUnavailable as exc:

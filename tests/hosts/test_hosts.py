@@ -4,9 +4,11 @@ the one on host 3 (no holder) reaches the pool over TCP."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +35,17 @@ def _kvpool(host: Host, home: Path, *args: str) -> str:
     r = host.run([sys.executable, "-c", _KVPOOL, *args], env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     return str(r.stdout)
+
+
+@contextlib.contextmanager
+def _cut_off(host: Host) -> Iterator[None]:
+    """``host``'s link down for the block, up again after it, whatever happened."""
+    link = ["ip", "-n", host.name, "link", "set", "eth0"]
+    subprocess.run([*link, "down"], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*link, "up"], check=True)
 
 
 def _status(host: Host, pool_file: Path) -> dict[str, Any]:
@@ -157,20 +170,14 @@ def test_a_host_cut_off_costs_misses_never_a_stall_or_a_wrong_answer(
     load deadline and Mooncake's transfer timeout of a hit it cannot load, and its
     saves go to the holder that remains. Link back: host 2's holder mounts its
     memory again, and a fresh engine on host 3 hits the prefix again."""
-    import subprocess
-
     from kvpool.pool import wait_until
 
     host1_file, host2_file = pool_files
     base = _engine(None, tiny_model, tmp_path, "base")
     saved = _engine(hosts[1], tiny_model, tmp_path, "host2", str(host2_file))
     assert saved["connector"]["bytes_saved"] > 0
-    cut = ["ip", "-n", hosts[1].name, "link", "set", "eth0"]
-    subprocess.run([*cut, "down"], check=True)
-    try:
+    with _cut_off(hosts[1]):
         c = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file), load_timeout_s=2)
-    finally:
-        subprocess.run([*cut, "up"], check=True)
     assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
     slowest = max(r["total_s"] for r in c["results"])
     assert slowest < 2 + 5 + 10, f"a request took {slowest:.1f} s"  # deadline + transfer bound
@@ -216,17 +223,11 @@ def test_the_masters_host_cut_off_costs_misses_and_the_pool_serves_again_after(
     the connector says it cannot reach the master and stays idle, the engine answers
     like one without kvpool, no request stalls. Link back: a fresh engine on host 3
     uses the pool again (it saves)."""
-    import subprocess
-
     host1_file = pool_files[0]
     base = _engine(None, tiny_model, tmp_path, "base")
-    cut = ["ip", "-n", hosts[0].name, "link", "set", "eth0"]
-    subprocess.run([*cut, "down"], check=True)
-    try:
+    with _cut_off(hosts[0]):
         c = _engine(hosts[2], tiny_model, tmp_path, "host3", str(host1_file), load_timeout_s=2,
                     lookup_timeout_ms=200)  # fmt: skip
-    finally:
-        subprocess.run([*cut, "up"], check=True)
     assert [r["tokens"] for r in c["results"]] == [r["tokens"] for r in base["results"]]
     assert "cannot reach mooncake_master" in c["log"]
     slowest = max(r["total_s"] for r in c["results"])
@@ -244,7 +245,6 @@ def test_the_masters_host_cut_off_while_an_engine_runs_costs_misses_then_it_hits
     host 1 is cut off: the second batch's lookups miss within their deadline and
     its answers equal an engine's without kvpool, no request stalls. Link back:
     the same engine, not restarted, loads the third batch's prefix from the pool."""
-    import subprocess
     import time
 
     from kvpool.demo.session import EngineSession
@@ -260,15 +260,11 @@ def test_the_masters_host_cut_off_while_an_engine_runs_costs_misses_then_it_hits
     assert saved["connector"]["bytes_saved"] > 0
     spec, env, wrap = _spec(hosts[2], tiny_model, str(host1_file), phases=families, hold=True,
                             lookup_timeout_ms=500, load_timeout_s=2)  # fmt: skip
-    cut = ["ip", "-n", hosts[0].name, "link", "set", "eth0"]
     with EngineSession.start(spec, tmp_path, "host3", env=env, wrap=wrap) as engine:
         engine.ready()
         before = engine.next_phase()
-        subprocess.run([*cut, "down"], check=True)
-        try:
+        with _cut_off(hosts[0]):
             during = engine.next_phase(timeout=120)
-        finally:
-            subprocess.run([*cut, "up"], check=True)
         linked = time.monotonic()
         # The link is back once host 3 reaches the master again (a fresh client).
         # The engine's lookup client then sends again after its backoff, which
@@ -297,8 +293,6 @@ def test_a_holders_host_cut_off_while_an_engine_loads_from_it_costs_misses_only(
     holder are abandoned at the load deadline: answers equal an engine's without
     kvpool, no request stalls beyond the deadline and Mooncake's transfer bound.
     With the link back the same engine answers the third batch alike."""
-    import subprocess
-
     from kvpool.demo.session import EngineSession
 
     host1_file, host2_file = pool_files
@@ -314,15 +308,11 @@ def test_a_holders_host_cut_off_while_an_engine_loads_from_it_costs_misses_only(
         assert saved["connector"]["bytes_saved"] > 0
     spec, env, wrap = _spec(hosts[2], tiny_model, str(host1_file), phases=families, hold=True,
                             load_timeout_s=2)  # fmt: skip
-    cut = ["ip", "-n", hosts[1].name, "link", "set", "eth0"]
     with EngineSession.start(spec, tmp_path, "host3", env=env, wrap=wrap) as engine:
         engine.ready()
         before = engine.next_phase()
-        subprocess.run([*cut, "down"], check=True)
-        try:
+        with _cut_off(hosts[1]):
             during = engine.next_phase(timeout=120)
-        finally:
-            subprocess.run([*cut, "up"], check=True)
         after = engine.next_phase(timeout=120)
         engine.finish()
     for i, phase in enumerate((before, during, after)):

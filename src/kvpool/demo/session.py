@@ -134,9 +134,15 @@ class EngineSession:
     def ready(self, timeout: float = 300.0) -> None:
         self._expect("KVPOOL-READY", timeout)
 
-    def next_phase(self, timeout: float | None = 300.0) -> dict[str, Any]:
+    def next_phase(
+        self, timeout: float | None = 300.0, during: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """Run the next phase and return its output; ``during()`` is called once the
+        phase is under way (sent), before its output is awaited."""
         if self._phase > 0 or self._held:
             self._send()
+        if during is not None:
+            during()
         out: dict[str, Any] = json.loads(self._expect(f"KVPOOL-PHASE {self._phase} ", timeout))
         self._phase += 1
         return out

@@ -12,7 +12,7 @@
 
 A key reads, left to right (``/`` separated)::
 
-    kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head>.d<dcp>.c<pcp>.p<pp>/<hash hex>
+    kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head>.d<dcp>.c<pcp>.b<band>/<hash hex>
 
 The model is its full name or path (percent-quoted where needed, ``/`` kept),
 so ``org-a/llama`` and ``org-b/llama`` never collide. Two configurations that
@@ -22,9 +22,11 @@ keys: a bf16 and an fp32 engine of one model sharing a pool just miss.
 The TP size is not in the fingerprint: a shard is named by its global KV head
 (``layout``), so engines at TP1, TP2 and TP8 of one model read each other's
 objects. The exception is a model with a mamba group, whose state slices depend
-on tp: its fingerprint keeps tp. DCP, PCP and PP sizes stay in it (their token
-classes and layer stages differ between sizes). Schema 1 named rank slots, not
-heads; its objects are never probed (a miss), so old pools are harmless.
+on tp: its fingerprint keeps tp. Neither is the PP size: a shard holds one
+layer band, and the fingerprint holds the band grid, so engines at PP1 and PP2
+with one grid share objects. DCP and PCP sizes stay in it (their token classes
+differ between sizes). Schemas 1 (rank slots) and 2 (one object per PP stage)
+are never probed (a miss), so old pools are harmless.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ __all__ = [
     "parse_key",
 ]
 
-SCHEMA_VERSION = 2  # 2: shards named by global KV head; tp left out of the fingerprint
+# 2: shards named by global KV head, tp left out of the fingerprint; 3: a shard
+# holds one layer band (``.b``), the band grid in the fingerprint instead of pp
+SCHEMA_VERSION = 3
 # The format of stored objects (``kvpool.header.FORMAT_VERSION``). It is part of
 # every fingerprint, so engines of different formats use different keys: an object
 # of another format is a miss, never read (and removed) as corrupt.
@@ -60,7 +64,7 @@ _FP_HEX = 16  # 64 bits of sha256 over the canonical config
 _SAFE = "/:@._-+=~,"
 _NUM = r"([0-9]{1,18})"  # bounded: int() refuses strings of over 4300 digits
 _NUM_RE = re.compile(_NUM)
-_CONTENT_RE = re.compile(rf"g{_NUM}\.h{_NUM}\.d{_NUM}\.c{_NUM}\.p{_NUM}")
+_CONTENT_RE = re.compile(rf"g{_NUM}\.h{_NUM}\.d{_NUM}\.c{_NUM}\.b{_NUM}")
 _HEX_RE = re.compile(r"[0-9a-f]+")
 _FP_RE = re.compile(rf"[0-9a-f]{{{_FP_HEX}}}")
 
@@ -90,7 +94,7 @@ class ParsedKey:
         c = self.content
         return (
             f"{_ROOT}/{self.schema}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
-            f"g{c.group}.h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}/{self.chunk_hash}"
+            f"g{c.group}.h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.b{c.band}/{self.chunk_hash}"
         )
 
 
@@ -110,8 +114,8 @@ def parse_key(key: str) -> ParsedKey:
     m = _CONTENT_RE.fullmatch(content_s)
     if not _FP_RE.fullmatch(fp) or m is None or not _HEX_RE.fullmatch(h):
         raise KeyFormatError(f"malformed fingerprint, content or hash in {key!r}")
-    g, slot, d, c, p = (int(x) for x in m.groups())
-    parsed = ParsedKey(unquote(model_q), fp, ContentId(slot, d, c, p, g), h, int(head[1]))
+    g, slot, d, c, b = (int(x) for x in m.groups())
+    parsed = ParsedKey(unquote(model_q), fp, ContentId(slot, d, c, b, g), h, int(head[1]))
     if str(parsed) != key:  # non-canonical spellings (e.g. leading zeros) are refused
         raise KeyFormatError(f"kvpool key is not in canonical form: {key!r}")
     return parsed
@@ -169,7 +173,7 @@ class KeySpace:
             "chunk_size": chunk_size,
             "head_size": head_size,
             "num_layers": num_layers,
-            "pp": layout.pp,
+            "layer_bands": list(layout.bands),  # edges, 0 .. layers
             "pcp": layout.pcp,
             "dcp": layout.dcp,
             "groups": [str(g) for g in layout.groups],

@@ -12,10 +12,12 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
     Layout.writes(r, c, k)    does rank r write chunk k of shard c?
     Layout.contents(g)        every shard of group g: the keys a lookup must
                               probe, and exactly the ones read
+    Layout.band_layers(b)     the model's layers in layer band b
+    Layout.local_head(r, c)   which of rank r's local KV heads shard c is
 
 A shard is named by what it holds, never by who holds it, so engines of one
 model at different TP sizes name the same bytes alike and share them
-(``ContentId`` = (head, dcp_rank, pcp_rank, pp_rank, group)):
+(``ContentId`` = (head, dcp_rank, pcp_rank, band, group)):
 
 * head is the model's (global) KV-head index for gqa/mha: a rank holding
   several KV heads holds one shard per head, in its local head order (vLLM
@@ -23,8 +25,14 @@ model at different TP sizes name the same bytes alike and share them
   ranks, head ``tp_rank // (tp // H)``, replicated). It is ``0`` for mla (one
   latent replicated on every TP rank) and ``tp_rank`` for mamba (a state slice
   whose bytes depend on tp, so it never names the same content across tp).
-* dcp_rank and pcp_rank name the token class, pp_rank the stage's layers; they
-  mean the same bytes only at equal dcp, pcp and pp (the fingerprint holds them).
+* band is a layer band: the model's layers are cut into bands at fixed layer
+  indices (``layer_bands``; by default where this engine's PP stages begin), and
+  a shard holds one band's layers. A rank holds every band of its stage, so
+  engines at PP1 and PP2 whose band grids are equal (say bands 0-15 and 16-31
+  of 32 layers) name the same bytes alike; a stage must begin on a band edge.
+  The grid is in the fingerprint.
+* dcp_rank and pcp_rank name the token class; they mean the same bytes only at
+  equal dcp and pcp (the fingerprint holds them).
 * Ranks holding an equal ContentId hold identical bytes and form its replica
   set. Writes are striped inside it: chunk k of a shard of group g is written
   by member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
@@ -178,7 +186,7 @@ class ContentId:
     head: int
     dcp_rank: int
     pcp_rank: int
-    pp_rank: int
+    band: int  # index of the layer band (``Layout.band_layers``)
     group: int
 
 
@@ -190,6 +198,12 @@ def _default_coords(tp: int, pp: int, pcp: int, dcp: int) -> tuple[RankCoords, .
                 rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)
                 out.append(RankCoords(rank, tp_rank, pp_rank, pcp_rank, tp_rank % dcp))
     return tuple(out)
+
+
+def _even_stages(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """Stage k holds layers [k*L//pp, (k+1)*L//pp): an even split. Engines pass
+    vLLM's real stages (``get_pp_indices``), which place remainders elsewhere."""
+    return tuple((k * layers // pp, (k + 1) * layers // pp) for k in range(pp))
 
 
 def _positive(name: str, value: object) -> int:
@@ -206,6 +220,11 @@ class Layout:
     (``parallel_config.data_parallel_index``); it names the engine (see
     ``keys.lookup_endpoint``) but never changes what a rank holds: DP replicas
     share every key.
+
+    ``layers`` is the model's layer count, ``stages`` each PP stage's layers
+    ``[first, end)`` and ``bands`` the layer-band edges ``(0, ..., layers)``. A
+    layout made without ``layers`` counts one layer per stage (a plan's
+    abstraction: each stage one band).
     """
 
     tp: int
@@ -215,6 +234,9 @@ class Layout:
     groups: tuple[GroupSpec, ...]
     coords: tuple[RankCoords, ...]
     dp_index: int = 0
+    layers: int = 1
+    stages: tuple[tuple[int, int], ...] = ((0, 1),)
+    bands: tuple[int, ...] = (0, 1)
 
     @classmethod
     def create(
@@ -227,8 +249,15 @@ class Layout:
         groups: Sequence[GroupSpec | str] = ("mla",),
         dp_index: int = 0,
         coords: Iterable[RankCoords] | None = None,
+        layers: int | None = None,
+        stages: Sequence[tuple[int, int]] | None = None,
+        layer_bands: Sequence[int] | None = None,
     ) -> Layout:
-        """Validate and normalise; raise ``LayoutError`` saying what to change."""
+        """Validate and normalise; raise ``LayoutError`` saying what to change.
+
+        ``layer_bands`` lists the layers where a band begins (0 may be left out);
+        by default the first layer of each PP stage. ``stages`` defaults to an
+        even split of ``layers`` (which defaults to ``pp``)."""
         tp, pp, pcp, dcp = (
             _positive(n, v) for n, v in (("tp", tp), ("pp", pp), ("pcp", pcp), ("dcp", dcp))
         )
@@ -247,7 +276,13 @@ class Layout:
         for i, g in enumerate(specs):
             _check_group(i, g, tp, dcp)
         given = tuple(coords) if coords is not None else _default_coords(tp, pp, pcp, dcp)
-        layout = cls(tp, pp, pcp, dcp, specs, tuple(sorted(given, key=lambda c: c.rank)), dp_index)
+        n_layers = pp if layers is None else _positive("layers", layers)
+        split = _check_stages(n_layers, pp, stages)
+        edges = _check_bands(n_layers, split, layer_bands)
+        layout = cls(
+            tp, pp, pcp, dcp, specs, tuple(sorted(given, key=lambda c: c.rank)), dp_index,
+            n_layers, split, edges,
+        )  # fmt: skip
         layout._check_coords()
         return layout
 
@@ -270,14 +305,31 @@ class Layout:
     # -- content identity ----------------------------------------------------
 
     def holdings(self, rank: int, group: int) -> tuple[ContentId, ...]:
-        """The shards rank ``rank`` holds of group ``group`` (also those it reads),
-        in the order of its local KV heads."""
+        """The shards rank ``rank`` holds of group ``group`` (also those it reads):
+        per local KV head in its order, the layer bands of its stage."""
         c = self.coord(rank)
         spec = self._group(group)
+        bands = self._stage_bands[c.pp_rank]
         return tuple(
-            ContentId(h, c.dcp_rank, c.pcp_rank, c.pp_rank, group)
+            ContentId(h, c.dcp_rank, c.pcp_rank, b, group)
             for h in spec.heads(self.tp, c.tp_rank)
+            for b in bands
         )
+
+    def band_layers(self, band: int) -> range:
+        """The model's layers (global indices) in layer band ``band``."""
+        if not 0 <= band < len(self.bands) - 1:
+            raise LayoutError(f"layer band {band} is outside 0..{len(self.bands) - 2}")
+        return range(self.bands[band], self.bands[band + 1])
+
+    def local_head(self, rank: int, content: ContentId) -> int:
+        """The index among rank ``rank``'s local KV heads (its tensors' head axis)
+        of the head that ``content`` holds."""
+        c = self.coord(rank)
+        heads = self._group(content.group).heads(self.tp, c.tp_rank)
+        if content.head not in heads:
+            raise LayoutError(f"rank {rank} does not hold {content}")
+        return heads.index(content.head)
 
     def replica_set(self, content: ContentId) -> tuple[int, ...]:
         """Sorted ranks whose content is ``content`` (empty if none holds it)."""
@@ -318,6 +370,12 @@ class Layout:
         if not 0 <= group < len(self.groups):
             raise LayoutError(f"group {group} is outside 0..{len(self.groups) - 1}")
         return self.groups[group]
+
+    @cached_property
+    def _stage_bands(self) -> tuple[range, ...]:
+        """Per PP rank, the layer bands of its stage."""
+        index = {edge: i for i, edge in enumerate(self.bands)}
+        return tuple(range(index[first], index[end]) for first, end in self.stages)
 
     @cached_property
     def _replica_table(self) -> dict[ContentId, tuple[int, ...]]:
@@ -366,6 +424,51 @@ class Layout:
                         f"pp_rank {pp_rank} has dcp ranks {sorted(ds)}, not 0..{self.dcp - 1}; "
                         "DCP groups must be made of TP ranks that hold the same KV heads"
                     )
+
+
+def _check_stages(
+    layers: int, pp: int, stages: Sequence[tuple[int, int]] | None
+) -> tuple[tuple[int, int], ...]:
+    if stages is None:
+        if layers < pp:
+            raise LayoutError(f"pp={pp} stages need at least {pp} layers, got layers={layers}")
+        return _even_stages(layers, pp)
+    split = tuple((int(a), int(b)) for a, b in stages)
+    if len(split) != pp:
+        raise LayoutError(f"stages must list pp={pp} layer ranges, got {len(split)}")
+    end = 0
+    for k, (first, stop) in enumerate(split):
+        if first != end or stop <= first:
+            raise LayoutError(
+                f"PP stage {k} holds layers [{first}, {stop}); stages must be non-empty, "
+                f"contiguous and start at layer 0 ({list(split)})"
+            )
+        end = stop
+    if end != layers:
+        raise LayoutError(f"the PP stages end at layer {end}, not at the model's {layers}")
+    return split
+
+
+def _check_bands(
+    layers: int, stages: tuple[tuple[int, int], ...], given: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The band edges (0, ..., layers) from the layers where a band begins."""
+    starts = [first for first, _ in stages] if given is None else list(given)
+    for v in starts:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < layers:
+            raise LayoutError(
+                f"layer_bands lists the layers where a band begins, each in 0..{layers - 1}; "
+                f"got {v!r}"
+            )
+    edges = tuple(sorted({0, *starts, layers}))
+    missing = [first for first, _ in stages if first not in edges]
+    if missing:
+        raise LayoutError(
+            f"PP stages begin at layers {[first for first, _ in stages]}, but layer_bands "
+            f"{list(edges[:-1])} has no band beginning at {missing}; add them (a stage "
+            "must hold whole bands)"
+        )
+    return edges
 
 
 def _check_group(index: int, g: GroupSpec, tp: int, dcp: int) -> None:

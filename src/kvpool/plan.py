@@ -152,15 +152,16 @@ class ReaderRank:
 def read_across(writer: Plan, reader: Layout, reader_space: KeySpace) -> tuple[ReaderRank, ...]:
     """What each rank of ``reader`` reads of what ``writer``'s layout wrote, chunk by
     chunk of the same prompt. Empty when the two share no key (another
-    fingerprint: other dcp, pcp or pp, another model config). Raises
+    fingerprint: other dcp, pcp or layer bands, another model config). Raises
     ``LookupError`` if the reader needs a key the writer never writes (a broken
     layout rule, never expected)."""
     if reader_space != writer.space:
         return ()
     hashes = chunk_hashes(writer.chunks)
     put_by = {p.key: p.rank for p in writer.puts}
-    sizes = [_shard_weight(reader, g) for g in range(len(reader.groups))]
-    distinct = sum(len(reader.contents(g)) * sizes[g] for g in range(len(reader.groups)))
+    distinct = sum(
+        _shard_weight(reader, c) for g in range(len(reader.groups)) for c in reader.contents(g)
+    )
     out = []
     for r in reader.ranks:
         held = tuple(reader.holdings(r, g) for g in range(len(reader.groups)))
@@ -172,7 +173,7 @@ def read_across(writer: Plan, reader: Layout, reader_space: KeySpace) -> tuple[R
                     if key not in put_by:
                         raise LookupError(f"reader rank {r} needs {key}, which no writer puts")
                     writers.add(put_by[key])
-        weight = sum(len(shards) * sizes[g] for g, shards in enumerate(held))
+        weight = sum(_shard_weight(reader, c) for shards in held for c in shards)
         out.append(
             ReaderRank(
                 r, held, sum(len(s) for s in held), weight / distinct, tuple(sorted(writers))
@@ -181,12 +182,12 @@ def read_across(writer: Plan, reader: Layout, reader_space: KeySpace) -> tuple[R
     return tuple(out)
 
 
-def _shard_weight(layout: Layout, group: int) -> float:
-    """Relative bytes of one shard of ``group``: a PP stage holds 1/pp of the layers,
-    a token class 1/(dcp*pcp) of the tokens (1 for mamba state)."""
-    spec = layout.groups[group]
+def _shard_weight(layout: Layout, c: ContentId) -> float:
+    """Relative bytes of shard ``c``: its band's share of the layers, and a token
+    class's 1/(dcp*pcp) of the tokens (all of them for mamba state)."""
+    spec = layout.groups[c.group]
     tokens = 1 if spec.kind is GroupKind.MAMBA else layout.dcp * layout.pcp
-    return 1.0 / (layout.pp * tokens)
+    return len(layout.band_layers(c.band)) / (layout.layers * tokens)
 
 
 def reference_totals(layout: Layout) -> Totals:

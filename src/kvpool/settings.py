@@ -28,6 +28,12 @@ class ConnectorSettings:
     chunk_size: int = documented(
         0, "Tokens per pool object, a multiple of the block size; 0 = one block."
     )
+    layer_bands: tuple[int, ...] = documented(
+        (),
+        "The layers where a layer band begins (a pool object holds one band); engines "
+        "of one model at different PP sizes share objects when their bands are equal, "
+        "e.g. [0, 16] for PP1 and PP2 of 32 layers. Empty: where each PP stage begins.",
+    )
     lookup_timeout_ms: float = documented(
         50.0, "Deadline of one scheduler-side lookup; past it the request misses."
     )
@@ -94,6 +100,8 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
         elif name == "chunk_size":
             values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
+        elif name == "layer_bands":
+            values[name] = _layer_bands(v)
         elif name == "staging_bytes":
             values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
         elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
@@ -117,13 +125,30 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
     return ConnectorSettings(**values), pool
 
 
+def _layer_bands(value: Any) -> tuple[int, ...]:
+    """``[0, 16]``, ``(0, 16)`` or ``"0,16"`` as a tuple of layer indices."""
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        out = tuple(
+            int(parse_number(v, "kv_connector_extra_config.layer_bands", integer=True))
+            for v in items
+            if not (isinstance(v, str) and not v.strip())
+        )
+    except (TypeError, ConfigError):
+        raise ConfigError(
+            "kv_connector_extra_config.layer_bands lists the layers where a band begins, "
+            f'e.g. [0, 16] or "0,16"; got {value!r}'
+        ) from None
+    return out
+
+
 def _default(f: Any) -> str:
     value = f.default if f.default is not MISSING else None
     if isinstance(value, bool):
         return "true" if value else "false"
     if f.name in ("staging_bytes", "local_buffer_size", "global_segment_size") and value:
         return f"{value >> 20} MiB"
-    if value == "":
+    if value in ("", ()):
         return "(empty)"
     return f"`{value}`" if isinstance(value, str) else f"{value:g}"
 

@@ -236,7 +236,7 @@ def test_keys_are_listed(local_pool: LocalPool) -> None:
         "from mooncake.store import MooncakeDistributedStore as S\n"
         "s = S()\n"
         "assert s.setup('127.0.0.1', 'P2PHANDSHAKE', 0, 16 << 20, 'tcp', '', sys.argv[1]) == 0\n"
-        "key = 'kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.p0/ab'\n"
+        "key = 'kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.b0/ab'\n"
         "assert s.put(key, b'x') == 0 and s.put('not-kvpool', b'y') == 0\n"
         "s.close()\n"
     )
@@ -245,7 +245,7 @@ def test_keys_are_listed(local_pool: LocalPool) -> None:
     )
     # the writer was a pure client: its objects live on in the holder
     assert sorted(master_keys(local_pool.metrics_url)) == [
-        "kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.p0/ab",
+        "kvpool/1/org/m/0123456789abcdef/g0.h0.d0.c0.b0/ab",
         "not-kvpool",
     ]
     status = pool_status(local_pool)

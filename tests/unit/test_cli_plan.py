@@ -65,7 +65,7 @@ def test_plan_table_shows_totals_against_reference(capsys: pytest.CaptureFixture
     rc, out, _ = run(capsys, "plan", "--tp", "8", "--dcp", "2", "--group", "mla")
     assert rc == 0
     assert "write amplification" in out and "4.00x" in out and "1.00x" in out
-    assert "h0.d1.c0.p0" in out
+    assert "h0.d1.c0.b0" in out
 
 
 @pytest.mark.parametrize(
@@ -116,9 +116,37 @@ def test_plan_shows_a_reader_at_another_tp_beside_the_writer(
         (2, [0]), (2, [0]), (2, [1]), (2, [1])
     ]  # fmt: skip
     rc, out, _ = run(capsys, "plan", "--tp", "2", "--kv-heads", "8", "--read-tp", "1")
-    assert rc == 0 and "a reader at tp=1 beside this writer at tp=2" in out
+    assert rc == 0 and "a reader at tp=1 pp=1 beside this writer at tp=2 pp=1" in out
     args = ["plan", "--tp", "2", "--group", "gqa:8", "--group", "mamba", "--read-tp", "1"]
     rc, out, _ = run(capsys, *args, "--json")
-    assert rc == 0 and json.loads(out)["reader"] == {"tp": 1, "shares_keys": False, "ranks": []}
+    assert rc == 0 and json.loads(out)["reader"] == {
+        "tp": 1, "pp": 1, "shares_keys": False, "ranks": []
+    }  # fmt: skip
     rc, out, _ = run(capsys, *args)
     assert rc == 0 and "shares no object" in out
+
+
+def test_plan_shows_a_reader_at_another_pp_size_on_one_layer_band_grid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """32 layers, 8 KV heads: a PP2 writer and a PP1 reader share bands 0-15 and
+    16-31 (where a stage of either begins). The PP1 rank reads 16 objects per chunk
+    (8 heads x 2 bands) from both stages; the other way round each PP2 rank reads
+    its band's 8, all written by the PP1 rank. Bands that split a stage are refused."""
+    base = ["plan", "--kv-heads", "8", "--layers", "32", "--json"]
+    rc, out, _ = run(capsys, *base, "--pp", "2", "--read-pp", "1")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["layout"]["layer_bands"] == [0, 16]
+    assert data["reader"]["ranks"] == [
+        {"rank": 0, "objects_per_chunk": 16, "bytes_share": 1.0, "writers": [0, 1]}
+    ]
+    rc, out, _ = run(capsys, *base, "--pp", "1", "--read-pp", "2")
+    ranks = json.loads(out)["reader"]["ranks"]
+    assert [(r["objects_per_chunk"], r["bytes_share"], r["writers"]) for r in ranks] == [
+        (8, 0.5, [0]), (8, 0.5, [0])
+    ]  # fmt: skip
+    rc, out, err = run(capsys, *base, "--pp", "2", "--layer-bands", "0,8")
+    assert rc != 0 and "no band beginning at [16]" in err
+    rc, out, err = run(capsys, "plan", "--kv-heads", "8", "--pp", "2", "--read-pp", "1")
+    assert rc != 0 and "--layers" in err

@@ -10,23 +10,25 @@ from kvpool import header
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupKind, GroupSpec, Layout
 
-FINGERPRINT = "442e826bb2bbfad8"
+FINGERPRINT = "14b48fcbb7c2757a"
 KEY = (
-    "kvpool/2/meta-llama/Llama-3.1-8B/442e826bb2bbfad8/g0.h5.d0.c0.p0/"
+    "kvpool/3/meta-llama/Llama-3.1-8B/14b48fcbb7c2757a/g0.h5.d0.c0.b0/"
     "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
 )
 HEADER_WITH_CHECKSUM = (
-    "4b56504c02000100442e826bb2bbfad8ffb10a57de0565030000400000000000"
+    "4b56504c0200010014b48fcbb7c2757a28a758e6ffd460910000400000000000"
     "efcdab8967452301000000000000000000000000000000000000000000000000"
 )
 HEADER_WITHOUT_CHECKSUM = (
-    "4b56504c02000000442e826bb2bbfad8ffb10a57de0565030000400000000000"
+    "4b56504c0200000014b48fcbb7c2757a28a758e6ffd460910000400000000000"
     "0000000000000000000000000000000000000000000000000000000000000000"
 )
 
 
 def _space() -> tuple[Layout, KeySpace]:
-    layout = Layout.create(tp=2, pp=1, pcp=1, dcp=1, groups=[GroupSpec(GroupKind.GQA, 8)])
+    layout = Layout.create(
+        tp=2, pp=1, pcp=1, dcp=1, groups=[GroupSpec(GroupKind.GQA, 8)], layers=32
+    )
     space = KeySpace.create(
         model="meta-llama/Llama-3.1-8B",
         layout=layout,

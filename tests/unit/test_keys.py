@@ -47,7 +47,7 @@ def test_format_parse_round_trip(model: str, content: ContentId, h: bytes) -> No
 def test_key_is_human_readable() -> None:
     space = make_space()
     key = space.key(ContentId(1, 0, 0, 2, 0), bytes.fromhex("ab01"))
-    assert key == f"kvpool/2/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.p2/ab01"
+    assert key == f"kvpool/3/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.b2/ab01"
 
 
 def test_full_model_name_not_last_component() -> None:
@@ -100,12 +100,12 @@ def test_dp_index_does_not_change_the_fingerprint() -> None:
     [
         "",
         "vllm@tp_rank:0@abc",
-        "kvpool/1/m/0123/g0.h0.d0.c0.p0/ab",
-        "kvpool/x/m/0123456789abcdef/g0.h0.d0.c0.p0/ab",
+        "kvpool/1/m/0123/g0.h0.d0.c0.b0/ab",
+        "kvpool/x/m/0123456789abcdef/g0.h0.d0.c0.b0/ab",
         "kvpool/1/m/0123456789abcdef/g0.h0.d0.c0/ab",
-        "kvpool/1/m/0123456789abcdef/g0.h0.d0.c0.p0/XY",
-        "kvpool/1/m/0123456789abcdef/g00.h0.d0.c0.p0/ab",
-        "kvpool/1//0123456789abcdef/g0.h0.d0.c0.p0/ab",
+        "kvpool/1/m/0123456789abcdef/g0.h0.d0.c0.b0/XY",
+        "kvpool/1/m/0123456789abcdef/g00.h0.d0.c0.b0/ab",
+        "kvpool/1//0123456789abcdef/g0.h0.d0.c0.b0/ab",
     ],
 )
 def test_parse_refuses_non_keys(bad: str) -> None:

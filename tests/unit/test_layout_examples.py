@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -236,3 +237,39 @@ def test_bad_sliding_windows_say_what_to_write(text: str) -> None:
 
     with pytest.raises(LayoutError):
         GroupSpec.parse(text)
+
+
+def test_layer_bands_let_pp1_and_pp2_name_the_same_layers_alike() -> None:
+    """32 layers in bands 0-15 and 16-31: a PP1 rank holds both bands of each head,
+    each PP2 stage one; equal ContentIds hold equal layers."""
+    one = Layout.create(tp=1, pp=1, groups=["gqa:2"], layers=32, layer_bands=[0, 16])
+    two = Layout.create(tp=1, pp=2, groups=["gqa:2"], layers=32, layer_bands=[16])
+    assert one.bands == two.bands == (0, 16, 32)
+    assert [(c.head, c.band) for c in one.holdings(0, 0)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(c.head, c.band) for c in two.holdings(1, 0)] == [(0, 1), (1, 1)]
+    assert set(one.contents(0)) == set(two.contents(0))
+    assert one.band_layers(1) == two.band_layers(1) == range(16, 32)
+    assert two.local_head(1, two.holdings(1, 0)[1]) == 1
+    # By default each stage is one band: PP1 and PP2 then share nothing.
+    assert Layout.create(pp=2, groups=["mla"], layers=32).bands == (0, 16, 32)
+    assert Layout.create(pp=1, groups=["mla"], layers=32).bands == (0, 32)
+    # vLLM's real (uneven) stages are taken as given.
+    odd = Layout.create(pp=2, groups=["mla"], layers=5, stages=[(0, 3), (3, 5)])
+    assert odd.bands == (0, 3, 5) and odd.holdings(1, 0)[0].band == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"pp": 2, "layers": 32, "layer_bands": [0, 8]}, "no band beginning at [16]"),
+        ({"pp": 2, "layers": 32, "layer_bands": [40]}, "each in 0..31"),
+        ({"pp": 2, "layers": 32, "stages": [(0, 16), (17, 32)]}, "contiguous"),
+        ({"pp": 2, "layers": 32, "stages": [(0, 16), (16, 30)]}, "not at the model's 32"),
+        ({"pp": 4, "layers": 3}, "at least 4 layers"),
+    ],
+)
+def test_bad_stages_and_layer_bands_say_what_to_change(
+    kwargs: dict[str, object], says: str
+) -> None:
+    with pytest.raises(LayoutError, match=re.escape(says)):
+        Layout.create(groups=["mla"], **kwargs)  # type: ignore[arg-type]

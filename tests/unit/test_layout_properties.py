@@ -1,16 +1,19 @@
 """Property tests: for every valid layout, who writes and who reads agree, and
-for every pair of layouts of one model at different TP sizes too.
+for every pair of layouts of one model at different TP and PP sizes too.
 
 The invariants are checked over the whole plan (``kvpool.plan.build_plan``) of
-random layouts: tp <= 16, pp <= 4, pcp <= 2, dcp | tp, kv_heads in
+random layouts: tp <= 16, pp <= 4 with random (uneven) stage splits of up to 12
+layers and random layer-band grids, pcp <= 2, dcp | tp, kv_heads in
 {1, 2, 4, 8, 16, 32}, 1-3 groups of mixed kinds. Byte identity is checked
 against an independent model of what each rank physically holds per local KV
-head (``physical_heads``).
+head and layer (``physical_heads``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, defaultdict
+from typing import Any
 
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -35,16 +38,31 @@ def group_specs(draw: st.DrawFn) -> GroupSpec:
 
 
 @st.composite
+def stage_split(draw: st.DrawFn, layers: int, pp: int) -> list[tuple[int, int]]:
+    """Any split of ``layers`` into ``pp`` non-empty stages (vLLM's may be uneven)."""
+    if pp == 1:
+        return [(0, layers)]
+    cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=pp - 1, max_size=pp - 1)))
+    return list(itertools.pairwise([0, *cuts, layers]))
+
+
+@st.composite
 def layout_args(draw: st.DrawFn) -> dict[str, object]:
     tp = draw(st.integers(1, 16))
     dcp = draw(st.sampled_from([d for d in range(1, tp + 1) if tp % d == 0]))
+    pp = draw(st.integers(1, 4))
+    layers = draw(st.integers(pp, 12))
+    bands = draw(st.one_of(st.none(), st.sets(st.integers(0, layers - 1)).map(sorted)))
     return {
         "tp": tp,
-        "pp": draw(st.integers(1, 4)),
+        "pp": pp,
         "pcp": draw(st.integers(1, 2)),
         "dcp": dcp,
         "groups": draw(st.lists(group_specs(), min_size=1, max_size=3)),
         "dp_index": draw(st.integers(0, 7)),
+        "layers": layers,
+        "stages": draw(stage_split(layers, pp)),
+        "layer_bands": bands,
     }
 
 
@@ -52,6 +70,10 @@ def is_valid(args: dict[str, object]) -> bool:
     """Independent statement of the validity rules."""
     tp, dcp = args["tp"], args["dcp"]
     assert isinstance(tp, int) and isinstance(dcp, int)
+    bands: Any = args.get("layer_bands")
+    stages: Any = args.get("stages")
+    if bands is not None and any(first not in {0, *bands} for first, _ in stages):
+        return False  # a stage must begin on a band edge
     for g in args["groups"]:  # type: ignore[attr-defined]
         if g.kind is GroupKind.MAMBA:
             continue
@@ -85,7 +107,7 @@ def space_for(layout: Layout, **overrides: object) -> KeySpace:
         "model_dtype": "bfloat16",
         "chunk_size": 32,
         "head_size": 128,
-        "num_layers": 4,
+        "num_layers": layout.layers,
     }
     fields.update(overrides)
     return KeySpace.create(**fields)  # type: ignore[arg-type]
@@ -94,8 +116,8 @@ def space_for(layout: Layout, **overrides: object) -> KeySpace:
 def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
     """What a rank holds of a group, per local KV head in its tensor's order, from
     first principles (vLLM's sharding of KV heads; not via ContentId): the global
-    KV head, the latent, or a TP-sized state slice, with the token shard and the
-    layers of its stage."""
+    KV head, the latent, or a TP-sized state slice, with the token shard, and per
+    head the layers of its stage cut at every band edge of the grid."""
     c = layout.coord(rank)
     spec = layout.groups[group]
     tp = layout.tp
@@ -112,8 +134,10 @@ def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
     # Token shards: DCP splits tokens among ranks that share heads, PCP splits
     # them again (at equal dcp and pcp sizes, rank d holds the same tokens).
     tokens = (c.dcp_rank, layout.dcp, c.pcp_rank, layout.pcp)
-    layers = ("stage", c.pp_rank, layout.pp)
-    return [(group, h, tokens, layers) for h in heads]
+    first, end = layout.stages[c.pp_rank]
+    cuts = [first, *(e for e in layout.bands if first < e < end), end]
+    pieces = [tuple(range(a, b)) for a, b in itertools.pairwise(cuts)]
+    return [(group, h, tokens, layers) for h in heads for layers in pieces]
 
 
 def object_contents(layout: Layout, space: KeySpace, chunks: int) -> dict[tuple[int, str], object]:
@@ -181,22 +205,30 @@ def test_content_id_equality_is_physical_identity(args: dict[str, object]) -> No
 
 @st.composite
 def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]:
-    """A writer and a reader layout of one model: equal pp, pcp, dcp and groups,
-    any two TP sizes that both fit the model."""
+    """A writer and a reader layout of one model: equal pcp, dcp and groups, any
+    two TP sizes that both fit the model, any two PP sizes and stage splits, and
+    one layer-band grid that both can use (every stage of either begins on an
+    edge, plus random further edges)."""
     args = draw(layout_args())
-    dcp = args["dcp"]
-    assert isinstance(dcp, int)
+    dcp, layers = args["dcp"], args["layers"]
+    assert isinstance(dcp, int) and isinstance(layers, int)
+    pp = draw(st.integers(1, min(4, layers)))
     other = dict(args, tp=draw(st.sampled_from([t for t in range(1, 17) if t % dcp == 0])))
-    other["dp_index"] = draw(st.integers(0, 7))
+    other.update(pp=pp, stages=draw(stage_split(layers, pp)), dp_index=draw(st.integers(0, 7)))
+    extra = draw(st.sets(st.integers(0, layers - 1), max_size=3))
+    starts = {first for a in (args, other) for first, _ in a["stages"]}  # type: ignore[attr-defined]
+    grid = sorted(starts | extra)
+    args, other = dict(args, layer_bands=grid), dict(other, layer_bands=grid)
     return (args, other) if draw(st.booleans()) else (other, args)
 
 
 @settings(max_examples=300, deadline=None)
 @given(layout_pairs(), st.integers(1, 6))
-def test_a_reader_at_another_tp_finds_every_byte_written_once_and_never_another(
+def test_a_reader_at_another_tp_or_pp_finds_every_byte_written_once_and_never_another(
     pair: tuple[dict[str, object], dict[str, object]], chunks: int
 ) -> None:
-    """For a writer layout W and a reader layout R of the same model (TP differs):
+    """For a writer layout W and a reader layout R of the same model (TP and PP
+    sizes differ, one layer-band grid):
     every object R reads was written by exactly one rank of W, which physically
     held the bytes R expects under that key; no key of W or R ever names two
     contents. A model with a mamba group shares nothing across TP sizes."""
@@ -273,10 +305,16 @@ def test_different_contents_and_configs_never_share_a_key(
         {"model_dtype": "float16"},
         {"chunk_size": 64},
         {"head_size": 64},
-        {"num_layers": 5},
+        {"num_layers": layout.layers + 1},
         {"hash_seed": "1"},
         {"hash_algo": "xxhash"},
         {"model": "org2/model"},
     ):
         other = build_plan(layout, space_for(layout, **change), chunks)
         assert not {p.key for p in other.puts} & set(by_key), change
+    # Another layer-band grid holds other layers under a band index: other keys.
+    free = sorted(set(range(1, layout.layers)) - set(layout.bands))
+    if free:
+        finer = Layout.create(**dict(args, layer_bands=[*layout.bands[:-1], free[0]]))  # type: ignore[arg-type]
+        other = build_plan(finer, space_for(finer), chunks)
+        assert not {p.key for p in other.puts} & set(by_key), finer.bands

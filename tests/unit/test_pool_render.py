@@ -39,7 +39,7 @@ weird{label="a b"} 3 1700000000
 not a sample
 """
 
-KEY = "kvpool/1/org/llama/0123456789abcdef/g{g}.h{h}.d0.c0.p0/{n:02x}"
+KEY = "kvpool/1/org/llama/0123456789abcdef/g{g}.h{h}.d0.c0.b0/{n:02x}"
 
 
 def _render(renderable: object) -> str:

@@ -202,6 +202,59 @@ def test_engines_at_tp2_and_tp1_share_prefixes_both_ways(
         assert outputs_match(got, want), (got, want)
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="PP=2 on the CPU needs 2 cores")
+def test_engines_at_pp2_and_pp1_share_prefixes_both_ways_on_one_layer_band_grid(
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Four layers of 8 KV heads of 128, in layer bands 0-1 and 2-3 (``layer_bands``
+    [0, 2], the same on every engine): a PP=2 engine (two stage processes) writes
+    one object per KV head and band of every chunk; a PP=1 engine loads all of
+    them (both bands from the two stages) and answers like a PP=1 engine without
+    kvpool; its own new prompts are then loaded by a PP=2 engine, whose stages
+    each read only their band.
+
+    Tolerance: vLLM's CPU build runs PP>1 compiled (its eager path cannot pass
+    tensors between stages) and PP=1 eager, so float32 values may differ in the
+    last bits. Greedy tokens must be equal and logprobs within 1e-4; a wrong band
+    or layer order moves them by whole units, and the tokens."""
+    from kvpool.demo.run import outputs_match
+    from kvpool.demo.tiny_model import build_tiny_llama
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    model = build_tiny_llama(
+        tmp_path_factory.mktemp("llama-8kv-4l"), layers=4, heads=8, kv_heads=8, head_dim=128
+    )
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    bands = {"pool_file": pool_file, "layer_bands": [0, 2]}
+    pp2: dict[str, Any] = {"pp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    p, q = prompts(3), prompts(4)
+    base = run_engine(spec(model, "none", prompts=p + q))
+
+    a = run_engine(spec(model, "kvpool", prompts=p, extra=bands, **pp2))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in p for i in range(len(x) // BLOCK)}
+    assert {(k.content.head, k.content.band) for k in keys} == {
+        (h, b) for h in range(8) for b in (0, 1)
+    }
+    assert len(keys) == 8 * 2 * len(chunks)  # one object per head, band and chunk
+    for got, want in zip(a["results"], base["results"], strict=False):
+        assert outputs_match(got, want), (got, want)
+
+    b = run_engine(spec(model, "kvpool", prompts=p + q, extra=bands))
+    assert [r["cached_tokens"] for r in b["results"][:3]] == [288, 288, 288]
+    for got, want in zip(b["results"], base["results"], strict=True):
+        assert outputs_match(got, want), (got, want)
+
+    c = run_engine(spec(model, "kvpool", prompts=q, extra=bands, **pp2))
+    assert [r["cached_tokens"] for r in c["results"]] == [288, 288, 288]
+    for got, want in zip(c["results"], base["results"][3:], strict=True):
+        assert outputs_match(got, want), (got, want)
+
+
 def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

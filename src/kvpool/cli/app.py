@@ -76,6 +76,27 @@ def cli(verbose: bool) -> None:
     help="Also show what an engine of this TP size (same model, pp, pcp, dcp) reads "
     "of this layout's objects.",
 )
+@click.option(
+    "--read-pp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also show what an engine of this PP size reads (with --read-tp: of both). "
+    "Both use one layer-band grid: --layer-bands, or by default the layers where a "
+    "stage of either begins.",
+)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The model's layer count (default: one per PP stage).",
+)
+@click.option(
+    "--layer-bands",
+    default=None,
+    metavar="L1,L2,...",
+    help="The layers where a layer band begins (the connector's layer_bands); "
+    "default: where each PP stage begins.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def plan(
     tp: int,
@@ -88,6 +109,9 @@ def plan(
     chunks: int,
     model: str,
     read_tp: int | None,
+    read_pp: int | None,
+    layers: int | None,
+    layer_bands: str | None,
     as_json: bool,
 ) -> None:
     """Show who writes and who reads every key of a parallel layout."""
@@ -107,30 +131,51 @@ def plan(
             model_dtype="bfloat16",
             chunk_size=16,
             head_size=128,
-            num_layers=1,
+            num_layers=layout.layers,
         )
 
-    layout = Layout.create(tp=tp, pp=pp, pcp=pcp, dcp=dcp, groups=specs, dp_index=dp_index)
+    bands = _layer_bands(layer_bands)
+    reading = read_tp is not None or read_pp is not None
+    r_tp, r_pp = read_tp or tp, read_pp or pp
+    if read_pp is not None and read_pp != pp and layers is None:
+        raise click.UsageError("--read-pp needs the model's layer count: --layers N")
+    if bands is None and reading:  # one grid for both: where a stage of either begins
+        bands = sorted({k * layers // n for n in (pp, r_pp) for k in range(n)}) if layers else None
+    common = {"pcp": pcp, "dcp": dcp, "groups": specs, "layers": layers, "layer_bands": bands}
+    layout = Layout.create(tp=tp, pp=pp, dp_index=dp_index, **common)  # type: ignore[arg-type]
     result = build_plan(layout, space_of(layout), chunks)
     readers: tuple[ReaderRank, ...] = ()
-    if read_tp is not None:
-        reader = Layout.create(tp=read_tp, pp=pp, pcp=pcp, dcp=dcp, groups=specs)
+    reader = layout
+    if reading:
+        reader = Layout.create(tp=r_tp, pp=r_pp, **common)  # type: ignore[arg-type]
         readers = read_across(result, reader, space_of(reader))
     if as_json:
         data = render.plan_json(result)
-        if read_tp is not None:
-            data["reader"] = render.reader_json(read_tp, readers)
+        if reading:
+            data["reader"] = render.reader_json(reader, readers)
         click.echo(json.dumps(data))
         return
     console.print(render.plan_ranks_table(result))
     console.print(render.plan_totals_table(result))
-    if read_tp is not None and readers:
-        console.print(render.plan_reader_table(result, read_tp, readers))
-    elif read_tp is not None:
+    if reading and readers:
+        console.print(render.plan_reader_table(result, reader, readers))
+    elif reading:
         console.print(
-            f"an engine at tp={read_tp} shares no object with this layout: a mamba "
+            f"an engine at tp={r_tp} pp={r_pp} shares no object with this layout: a mamba "
             "group's state slices depend on tp, so its keys differ"
         )
+
+
+def _layer_bands(text: str | None) -> list[int] | None:
+    """``--layer-bands 0,16`` as a list; a usage error says what is wrong."""
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.UsageError(
+            f"--layer-bands takes layer indices separated by commas, e.g. 0,16; got {text!r}"
+        ) from None
 
 
 @cli.command("settings")

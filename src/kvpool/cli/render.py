@@ -6,20 +6,25 @@ from typing import Any
 
 from rich.table import Table
 
-from kvpool.layout import ContentId
+from kvpool.layout import ContentId, Layout
 from kvpool.plan import Plan, ReaderRank, Totals, reference_totals
 
 
 def content_label(c: ContentId) -> str:
-    return f"h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.p{c.pp_rank}"
+    return f"h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.b{c.band}"
+
+
+def _run(values: list[int]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
 
 
 def shards_label(shards: tuple[ContentId, ...]) -> str:
-    """A rank's shards of one group: ``h0.d0.c0.p0``, or ``h0-3.d0.c0.p0`` for a
-    run of KV heads (a rank's heads are always consecutive)."""
-    first, last = shards[0], shards[-1]
-    heads = f"{first.head}" if first == last else f"{first.head}-{last.head}"
-    return f"h{heads}.d{first.dcp_rank}.c{first.pcp_rank}.p{first.pp_rank}"
+    """A rank's shards of one group: ``h0.d0.c0.b0``, or ``h0-3.d0.c0.b0-1`` for
+    runs of KV heads and layer bands (a rank's heads and bands are consecutive)."""
+    first = shards[0]
+    heads, bands = _run([c.head for c in shards]), _run([c.band for c in shards])
+    return f"h{heads}.d{first.dcp_rank}.c{first.pcp_rank}.b{bands}"
 
 
 def plan_ranks_table(plan: Plan) -> Table:
@@ -46,10 +51,14 @@ def plan_ranks_table(plan: Plan) -> Table:
     return t
 
 
-def plan_reader_table(plan: Plan, reader_tp: int, rows: tuple[ReaderRank, ...]) -> Table:
-    """Beside the writer's plan: per rank of the reader layout (another TP size),
-    the objects it reads per chunk and the writer ranks they come from."""
-    t = Table(title=f"a reader at tp={reader_tp} beside this writer at tp={plan.layout.tp}")
+def plan_reader_table(plan: Plan, reader: Layout, rows: tuple[ReaderRank, ...]) -> Table:
+    """Beside the writer's plan: per rank of the reader layout (another TP or PP
+    size), the objects it reads per chunk and the writer ranks they come from."""
+    w = plan.layout
+    t = Table(
+        title=f"a reader at tp={reader.tp} pp={reader.pp} beside this writer at "
+        f"tp={w.tp} pp={w.pp} (layer bands {_bands_label(w)})"
+    )
     t.add_column("reader rank", justify="right")
     for g, spec in enumerate(plan.layout.groups):
         t.add_column(f"g{g} {spec} shards")
@@ -95,6 +104,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "layout": {
             "tp": layout.tp,
             "pp": layout.pp,
+            "layers": layout.layers,
+            "layer_bands": list(layout.bands[:-1]),
             "pcp": layout.pcp,
             "dcp": layout.dcp,
             "dp_index": layout.dp_index,
@@ -124,10 +135,11 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def reader_json(reader_tp: int, rows: tuple[ReaderRank, ...]) -> dict[str, Any]:
-    """The ``--json`` ``reader`` object of ``--read-tp``: per reader rank."""
+def reader_json(reader: Layout, rows: tuple[ReaderRank, ...]) -> dict[str, Any]:
+    """The ``--json`` ``reader`` object of ``--read-tp``/``--read-pp``: per reader rank."""
     return {
-        "tp": reader_tp,
+        "tp": reader.tp,
+        "pp": reader.pp,
         "shares_keys": bool(rows),
         "ranks": [
             {
@@ -149,7 +161,16 @@ def _share(x: float) -> str:
     return "all" if x == 1.0 else f"1/{round(1 / x)}"
 
 
+def _bands_label(layout: Layout) -> str:
+    """The layer bands, e.g. ``0-15,16-31``."""
+    b = layout.bands
+    return ",".join(f"{b[i]}-{b[i + 1] - 1}" for i in range(len(b) - 1))
+
+
 def _layout_label(plan: Plan) -> str:
     L = plan.layout
     groups = ",".join(str(g) for g in L.groups)
-    return f"tp={L.tp} pp={L.pp} pcp={L.pcp} dcp={L.dcp} groups={groups}"
+    label = f"tp={L.tp} pp={L.pp} pcp={L.pcp} dcp={L.dcp} groups={groups}"
+    if L.layers > L.pp or len(L.bands) > L.pp + 1:  # layers given, or bands finer than stages
+        label += f" layers={L.layers} bands={_bands_label(L)}"
+    return label

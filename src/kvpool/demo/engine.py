@@ -6,7 +6,7 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
        "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
-       "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool}
+       "pp": 1, "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 With ``"settle_saves": true`` the engine keeps stepping after the last prompt
@@ -101,12 +101,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 4096),
         max_num_seqs=4,
-        enforce_eager=True,
+        # vLLM's CPU runner allocates the tensors that pass between PP stages only
+        # in its compiled path's dummy run: eager mode fails at pp > 1.
+        enforce_eager=spec.get("pp", 1) == 1,
         seed=0,
         block_size=spec.get("block_size", 32),
         kv_transfer_config=transfer,
         kv_events_config=events,
         tensor_parallel_size=spec.get("tp", 1),
+        pipeline_parallel_size=spec.get("pp", 1),
         enable_prefix_caching=spec.get("prefix_caching", True),
         disable_log_stats=False,  # per-request metrics: time to first token
     )

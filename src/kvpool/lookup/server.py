@@ -140,7 +140,7 @@ class LookupServer:
         contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
         for t, c in zip(self._templates, contents, strict=True):
             if not layout.groups[c.group].window:
-                classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.pp_rank), []).append(t)
+                classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.band), []).append(t)
         self._classes = tuple(tuple(ts) for ts in classes.values())
         self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
         self._suppress_lock = threading.Lock()

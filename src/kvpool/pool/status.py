@@ -66,7 +66,7 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
         c = k.content
         ns = (k.model, k.fingerprint, c.group)
         counts[ns] += 1
-        contents.setdefault(ns, set()).add((c.head, c.dcp_rank, c.pcp_rank, c.pp_rank))
+        contents.setdefault(ns, set()).add((c.head, c.dcp_rank, c.pcp_rank, c.band))
     rows = tuple(NamespaceCount(*ns, counts[ns], len(contents[ns])) for ns in sorted(counts))
     return NamespaceSummary(rows, other)
 

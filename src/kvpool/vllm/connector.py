@@ -150,7 +150,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             )
         try:
             settings, pool_settings = parse_extra(transfer.kv_connector_extra_config)
-            identity = engine_identity(vllm_config, kv_cache_config, settings.chunk_size)
+            identity = engine_identity(
+                vllm_config, kv_cache_config, settings.chunk_size, settings.layer_bands
+            )
             pool = load_config(pool_settings)
             pool.require_master()
             events_config = getattr(vllm_config, "kv_events_config", None)

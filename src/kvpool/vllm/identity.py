@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,15 @@ from kvpool.errors import ConfigError, KVPoolError
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
-__all__ = ["EngineIdentity", "UnsupportedEngine", "byte_fields", "engine_identity", "worker_rank"]
+__all__ = [
+    "EngineIdentity",
+    "UnsupportedEngine",
+    "byte_fields",
+    "engine_identity",
+    "layer_index",
+    "pp_stages",
+    "worker_rank",
+]
 
 
 class UnsupportedEngine(KVPoolError):
@@ -99,8 +108,15 @@ def check_shared_hashes(hash_algo: str, env: Any = None) -> None:
         )
 
 
-def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0) -> EngineIdentity:
-    """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled."""
+def engine_identity(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    chunk_size: int = 0,
+    layer_bands: Sequence[int] = (),
+) -> EngineIdentity:
+    """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled.
+    ``layer_bands`` (the setting): the layers where a band begins; empty = where
+    each PP stage begins."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -131,9 +147,14 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
             f"chunk_size={chunk} must be a multiple of the block size {block_size} "
             "(or unset: one block per pool object)"
         )
+    pp = int(parallel.pipeline_parallel_size)
+    layers = int(model.get_total_num_hidden_layers())
     layout = Layout.create(
         tp=int(parallel.tensor_parallel_size),
-        pp=int(parallel.pipeline_parallel_size),
+        pp=pp,
+        layers=layers,
+        stages=pp_stages(layers, pp),
+        layer_bands=list(layer_bands) or None,
         pcp=int(getattr(parallel, "prefill_context_parallel_size", 1)),
         dcp=int(getattr(parallel, "decode_context_parallel_size", 1)),
         groups=groups,
@@ -150,7 +171,7 @@ def engine_identity(vllm_config: Any, kv_cache_config: Any, chunk_size: int = 0)
         model_dtype=model_dtype,
         chunk_size=chunk,
         head_size=int(model.get_head_size()),
-        num_layers=int(model.get_total_num_hidden_layers()),
+        num_layers=layers,
         hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
         hash_seed=os.environ.get("PYTHONHASHSEED", ""),
         extra={"block_size": block_size, "device": device, **byte_fields(model, cache)},
@@ -214,6 +235,29 @@ def _device_type() -> str:
     except ImportError:  # pragma: no cover - only without vLLM
         return "unknown"
     return str(current_platform.device_type)
+
+
+def pp_stages(layers: int, pp: int) -> list[tuple[int, int]]:
+    """Each PP stage's layers ``[first, end)`` as vLLM splits them (its
+    ``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``)."""
+    if pp == 1:
+        return [(0, layers)]
+    from vllm.distributed.utils import get_pp_indices
+
+    return [tuple(get_pp_indices(layers, k, pp)) for k in range(pp)]
+
+
+def layer_index(name: str) -> int:
+    """The model's layer index in a KV layer's name (``model.layers.12.self_attn.attn``);
+    ``UnsupportedEngine`` when the name has none."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return int(extract_layer_index(name))
+    except (AssertionError, ValueError) as exc:
+        raise UnsupportedEngine(
+            f"KV layer {name!r} has no layer index kvpool can read ({exc}); layer bands need it"
+        ) from None
 
 
 def worker_rank(layout: Layout) -> int:

@@ -53,7 +53,7 @@ from kvpool.placement import place_kv
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
-from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine
+from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine, layer_index
 from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
@@ -175,31 +175,50 @@ class WorkerSide:
         return store, engine
 
     def _shard_views(self) -> list[list[tuple[str, torch.Tensor]]]:
-        """The tensors of each shard this rank holds: per local KV head, that head's
-        slice of every layer (vLLM's per-layer views are ``[blocks, heads, tokens,
-        content]``); the whole tensors when the rank holds one shard of a group.
-        Fills ``_shards`` with the engine group index of each."""
+        """The tensors of each shard this rank holds: its KV head's slice (vLLM's
+        per-layer views are ``[blocks, heads, tokens, content]``; the whole tensors
+        when the rank holds one head of a group) of the layers of its layer band
+        (all local layers when the rank holds one band). Fills ``_shards`` with the
+        engine group index of each."""
         layout = self.identity.layout
         views: list[list[tuple[str, torch.Tensor]]] = []
         self._shards = {}
         for g, local in self._local.items():
             held = layout.holdings(self.rank, g)
             layers = self._groups[local]
-            if len(held) == 1:
-                self._shards[g] = [(held[0], len(views))]
-                views.append(layers)
-                continue
-            for name, t in layers:
-                if t.dim() != 4 or t.shape[1] != len(held):
-                    raise UnsupportedEngine(
-                        f"KV tensor {name} has shape {tuple(t.shape)}, not vLLM's "
-                        f"[blocks, heads, tokens, content] with this rank's {len(held)} "
-                        "KV heads; kvpool cannot name its heads"
-                    )
+            heads = len({c.head for c in held})
+            if heads > 1:
+                for name, t in layers:
+                    if t.dim() != 4 or t.shape[1] != heads:
+                        raise UnsupportedEngine(
+                            f"KV tensor {name} has shape {tuple(t.shape)}, not vLLM's "
+                            f"[blocks, heads, tokens, content] with this rank's {heads} "
+                            "KV heads; kvpool cannot name its heads"
+                        )
+            banded = len({c.band for c in held}) > 1
+            index = {name: layer_index(name) for name, _ in layers} if banded else {}
             self._shards[g] = []
-            for i, c in enumerate(held):
+            for c in held:
+                mine = layers
+                if banded:
+                    band = layout.band_layers(c.band)
+                    mine = [(name, t) for name, t in layers if index[name] in band]
+                    if not mine:
+                        raise UnsupportedEngine(
+                            f"layer band {band.start}-{band.stop - 1} holds no layer of KV "
+                            f"group {g}; choose layer_bands so that every band holds layers "
+                            "of every group"
+                        )
+                if heads > 1:
+                    i = layout.local_head(self.rank, c)
+                    mine = [(name, t.narrow(1, i, 1)) for name, t in mine]
                 self._shards[g].append((c, len(views)))
-                views.append([(name, t.narrow(1, i, 1)) for name, t in layers])
+                views.append(mine)
+            if banded and sum(len(views[v]) for _, v in self._shards[g]) != len(layers) * heads:
+                raise UnsupportedEngine(
+                    f"KV group {g}'s layers {sorted(index.values())} on this rank are not "
+                    f"all inside its PP stage's layer bands; kvpool cannot name them"
+                )
         return views
 
     def _zero_copy(self, store: KVStore) -> bool:

@@ -280,10 +280,11 @@ def test_the_search_asks_one_head_per_chunk_rotating_and_never_answers_short(
 
 
 def test_objects_of_the_old_schema_are_misses_not_errors(service: Service) -> None:
-    """Schema 1 named objects by rank slot (h<slot>) under a fingerprint holding tp.
-    A pool still holding them answers a miss for the same prompt, with no error:
-    the new keys (schema 2) are other keys, so an old object is never read."""
-    from kvpool.keys import ParsedKey
+    """Schema 1 named objects by rank slot (h<slot>) under a fingerprint holding tp;
+    schema 2 one object per head and PP stage (``.p<pp_rank>``). A pool still
+    holding them answers a miss for the same prompt, with no error: the new keys
+    (schema 3, ``.b<band>``) are other keys, so an old object is never read."""
+    from kvpool.keys import SCHEMA_VERSION, ParsedKey
 
     layout = Layout.create(tp=2, groups=["gqa:4"])
     space = space_of(layout)
@@ -294,6 +295,8 @@ def test_objects_of_the_old_schema_are_misses_not_errors(service: Service) -> No
     old = [str(ParsedKey(space.model, space.fingerprint, ContentId(slot, 0, 0, 0, 0), h.hex(),
                          schema=1))
            for h in hashes for slot in range(2)]  # fmt: skip
+    prefix = space.prefix.replace(f"kvpool/{SCHEMA_VERSION}/", "kvpool/2/")
+    old += [f"{prefix}g0.h{head}.d0.c0.p0/{h.hex()}" for h in hashes for head in range(4)]
     put(store, old)
     assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
     assert client.stats.misses == {}  # a plain miss: no error, no timeout

@@ -57,7 +57,7 @@ def plan_reader_table(plan: Plan, reader: Layout, rows: tuple[ReaderRank, ...]) 
     w = plan.layout
     t = Table(
         title=f"a reader at tp={reader.tp} pp={reader.pp} beside this writer at "
-        f"tp={w.tp} pp={w.pp} (layer bands {_bands_label(w)})"
+        f"tp={w.tp} pp={w.pp}{_bands_label(w, ' (layer bands {})')}"
     )
     t.add_column("reader rank", justify="right")
     for g, spec in enumerate(plan.layout.groups):
@@ -161,16 +161,17 @@ def _share(x: float) -> str:
     return "all" if x == 1.0 else f"1/{round(1 / x)}"
 
 
-def _bands_label(layout: Layout) -> str:
-    """The layer bands, e.g. ``0-15,16-31``."""
+def _bands_label(layout: Layout, form: str) -> str:
+    """``form`` with the layer bands (e.g. ``0-15,16-31``) when the layout was given
+    its layers or bands finer than its stages; "" otherwise."""
     b = layout.bands
-    return ",".join(f"{b[i]}-{b[i + 1] - 1}" for i in range(len(b) - 1))
+    if layout.layers == layout.pp and len(b) == layout.pp + 1:
+        return ""
+    return form.format(",".join(f"{b[i]}-{b[i + 1] - 1}" for i in range(len(b) - 1)))
 
 
 def _layout_label(plan: Plan) -> str:
     L = plan.layout
     groups = ",".join(str(g) for g in L.groups)
     label = f"tp={L.tp} pp={L.pp} pcp={L.pcp} dcp={L.dcp} groups={groups}"
-    if L.layers > L.pp or len(L.bands) > L.pp + 1:  # layers given, or bands finer than stages
-        label += f" layers={L.layers} bands={_bands_label(L)}"
-    return label
+    return label + _bands_label(L, f" layers={L.layers} bands={{}}")

@@ -150,3 +150,21 @@ def test_a_window_needs_the_chunks_vllm_needs_for_a_hit(window: int, block: int)
     need = SlidingWindowManager._contiguous_blocks_for_hit(window, block, False)
     for hit in range(0, 200):
         assert len(g.needed_chunks(hit, block)) == min(hit, need), hit
+
+
+def test_under_dcp_a_chunk_counts_the_tokens_of_vllms_scheduler_block(base: Any) -> None:
+    """With DCP 2, one block-table entry and one block hash span block_size x 2
+    tokens (each DCP rank's physical block holds its half): kvpool's chunks count
+    the same tokens as vLLM's own resolution of block and hash sizes."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    config = copy.deepcopy(base)
+    config.parallel_config.tensor_parallel_size = 4  # 2 KV heads: 2 ranks share each
+    config.parallel_config.decode_context_parallel_size = 2
+    kv = _kv_config(config)
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(kv, config)
+    identity = engine_identity(config, kv)
+    assert identity.block_size == scheduler_block == hash_block == 2 * BLOCK
+    assert identity.chunk_size == 2 * BLOCK and identity.blocks_per_chunk == 1
+    assert identity.layout.dcp == 2
+    assert engine_identity(base, _kv_config(base)).block_size == BLOCK

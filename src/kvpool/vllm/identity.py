@@ -135,6 +135,10 @@ def engine_identity(
                 f"KV groups with block size {g.kv_cache_spec.block_size} != {block_size} "
                 "are not supported yet"
             )
+    # Under DCP a block-table entry (and one block hash) spans block_size x dcp
+    # tokens; each DCP rank's physical block holds its token class of them
+    # (vLLM's resolve_kv_cache_block_sizes). Chunks are counted in those tokens.
+    block_size *= int(getattr(parallel, "decode_context_parallel_size", 1))
     chunk = chunk_size or block_size
     if chunk != block_size and any(g.window for g in groups):
         raise ConfigError(

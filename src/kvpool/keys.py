@@ -25,7 +25,8 @@ objects. The exception is a model with a mamba group, whose state slices depend
 on tp: its fingerprint keeps tp. Neither is the PP size: a shard holds one
 layer band, and the fingerprint holds the band grid, so engines at PP1 and PP2
 with one grid share objects. DCP and PCP sizes stay in it (their token classes
-differ between sizes). Schemas 1 (rank slots) and 2 (one object per PP stage)
+differ between sizes), and so does ``heads_per_object`` (how many KV heads a
+shard holds, ``layout``). Schemas 1 (rank slots) and 2 (one object per PP stage)
 are never probed (a miss), so old pools are harmless.
 """
 
@@ -174,6 +175,7 @@ class KeySpace:
             "head_size": head_size,
             "num_layers": num_layers,
             "layer_bands": list(layout.bands),  # edges, 0 .. layers
+            "heads_per_object": layout.heads_per_object,
             "pcp": layout.pcp,
             "dcp": layout.dcp,
             "groups": [str(g) for g in layout.groups],

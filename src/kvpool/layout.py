@@ -13,7 +13,7 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
     Layout.contents(g)        every shard of group g: the keys a lookup must
                               probe, and exactly the ones read
     Layout.band_layers(b)     the model's layers in layer band b
-    Layout.local_head(r, c)   which of rank r's local KV heads shard c is
+    Layout.local_heads(r, c)  which of rank r's local KV heads shard c holds
 
 A shard is named by what it holds, never by who holds it, so engines of one
 model at different TP sizes name the same bytes alike and share them
@@ -22,7 +22,10 @@ model at different TP sizes name the same bytes alike and share them
 * head is the model's (global) KV-head index for gqa/mha: a rank holding
   several KV heads holds one shard per head, in its local head order (vLLM
   gives TP rank r the heads ``[r*H/tp, (r+1)*H/tp)``; with fewer heads than TP
-  ranks, head ``tp_rank // (tp // H)``, replicated). It is ``0`` for mla (one
+  ranks, head ``tp_rank // (tp // H)``, replicated). With ``heads_per_object``
+  G > 1 a shard holds G consecutive heads and ``head`` is the group's index
+  (KV head // G): fewer, larger objects, for engines whose ranks each hold
+  whole groups (TP <= H / G). G is in the fingerprint. It is ``0`` for mla (one
   latent replicated on every TP rank) and ``tp_rank`` for mamba (a state slice
   whose bytes depend on tp, so it never names the same content across tp).
 * band is a layer band: the model's layers are cut into bands at fixed layer
@@ -237,6 +240,7 @@ class Layout:
     layers: int = 1
     stages: tuple[tuple[int, int], ...] = ((0, 1),)
     bands: tuple[int, ...] = (0, 1)
+    heads_per_object: int = 1
 
     @classmethod
     def create(
@@ -252,6 +256,7 @@ class Layout:
         layers: int | None = None,
         stages: Sequence[tuple[int, int]] | None = None,
         layer_bands: Sequence[int] | None = None,
+        heads_per_object: int = 1,
     ) -> Layout:
         """Validate and normalise; raise ``LayoutError`` saying what to change.
 
@@ -273,15 +278,17 @@ class Layout:
         specs = tuple(g if isinstance(g, GroupSpec) else GroupSpec.parse(g) for g in groups)
         if not specs:
             raise LayoutError("a layout needs at least one KV group, e.g. 'gqa:8' or 'mla'")
+        per_object = _positive("heads_per_object", heads_per_object)
         for i, g in enumerate(specs):
             _check_group(i, g, tp, dcp)
+            _check_head_groups(i, g, tp, per_object)
         given = tuple(coords) if coords is not None else _default_coords(tp, pp, pcp, dcp)
         n_layers = pp if layers is None else _positive("layers", layers)
         split = _check_stages(n_layers, pp, stages)
         edges = _check_bands(n_layers, split, layer_bands)
         layout = cls(
             tp, pp, pcp, dcp, specs, tuple(sorted(given, key=lambda c: c.rank)), dp_index,
-            n_layers, split, edges,
+            n_layers, split, edges, per_object,
         )  # fmt: skip
         layout._check_coords()
         return layout
@@ -312,7 +319,7 @@ class Layout:
         bands = self._stage_bands[c.pp_rank]
         return tuple(
             ContentId(h, c.dcp_rank, c.pcp_rank, b, group)
-            for h in spec.heads(self.tp, c.tp_rank)
+            for h in self._shard_heads(spec, c.tp_rank)
             for b in bands
         )
 
@@ -322,14 +329,26 @@ class Layout:
             raise LayoutError(f"layer band {band} is outside 0..{len(self.bands) - 2}")
         return range(self.bands[band], self.bands[band + 1])
 
-    def local_head(self, rank: int, content: ContentId) -> int:
-        """The index among rank ``rank``'s local KV heads (its tensors' head axis)
-        of the head that ``content`` holds."""
+    def local_heads(self, rank: int, content: ContentId) -> range:
+        """The indices among rank ``rank``'s local KV heads (its tensors' head axis)
+        of the heads that ``content`` holds."""
         c = self.coord(rank)
-        heads = self._group(content.group).heads(self.tp, c.tp_rank)
-        if content.head not in heads:
+        spec = self._group(content.group)
+        ids = self._shard_heads(spec, c.tp_rank)
+        if content.head not in ids:
             raise LayoutError(f"rank {rank} does not hold {content}")
-        return heads.index(content.head)
+        per = self.heads_per_object if spec.kind in _HEADED else 1
+        i = ids.index(content.head)
+        return range(i * per, (i + 1) * per)
+
+    def _shard_heads(self, spec: GroupSpec, tp_rank: int) -> range:
+        """The head ids of a TP rank's shards of ``spec``: its KV heads, grouped
+        ``heads_per_object`` at a time for mha/gqa."""
+        heads = spec.heads(self.tp, tp_rank)
+        per = self.heads_per_object
+        if per == 1 or spec.kind not in _HEADED:
+            return heads
+        return range(heads.start // per, heads.stop // per)
 
     def replica_set(self, content: ContentId) -> tuple[int, ...]:
         """Sorted ranks whose content is ``content`` (empty if none holds it)."""
@@ -469,6 +488,19 @@ def _check_bands(
             "must hold whole bands)"
         )
     return edges
+
+
+def _check_head_groups(index: int, g: GroupSpec, tp: int, per: int) -> None:
+    """Each TP rank must hold whole groups of ``per`` KV heads."""
+    if per == 1 or g.kind not in _HEADED:
+        return
+    held = g.kv_heads // tp if g.kv_heads >= tp else 1
+    if held % per:
+        fits = [d for d in range(1, held + 1) if held % d == 0]
+        raise LayoutError(
+            f"group {index} ({g}): heads_per_object={per}, but each TP rank holds {held} "
+            f"KV head(s) at tp={tp}; choose heads_per_object among {fits} or lower tp"
+        )
 
 
 def _check_group(index: int, g: GroupSpec, tp: int, dcp: int) -> None:

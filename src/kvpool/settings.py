@@ -34,6 +34,12 @@ class ConnectorSettings:
         "of one model at different PP sizes share objects when their bands are equal, "
         "e.g. [0, 16] for PP1 and PP2 of 32 layers. Empty: where each PP stage begins.",
     )
+    heads_per_object: int = documented(
+        1,
+        "KV heads per pool object: fewer, larger objects. Engines share objects only "
+        "at equal values, and each TP rank must hold whole groups (TP <= KV heads / "
+        "this value).",
+    )
     lookup_timeout_ms: float = documented(
         50.0, "Deadline of one scheduler-side lookup; past it the request misses."
     )
@@ -98,6 +104,10 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             continue
         if name in ("lookup_async", "save_decode", "zero_copy"):
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
+        elif name == "heads_per_object":
+            values[name] = int(
+                parse_number(v, f"kv_connector_extra_config.{name}", integer=True, minimum=1)
+            )
         elif name == "chunk_size":
             values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
         elif name == "layer_bands":

@@ -150,3 +150,16 @@ def test_plan_shows_a_reader_at_another_pp_size_on_one_layer_band_grid(
     assert rc != 0 and "no band beginning at [16]" in err
     rc, out, err = run(capsys, "plan", "--kv-heads", "8", "--pp", "2", "--read-pp", "1")
     assert rc != 0 and "--layers" in err
+
+
+def test_plan_takes_heads_per_object(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 KV heads, 4 per object: 2 objects per chunk at TP1; a TP2 reader's ranks
+    read one each; TP4 cannot hold whole groups of 4 and is refused."""
+    base = ["plan", "--kv-heads", "8", "--heads-per-object", "4", "--json"]
+    rc, out, _ = run(capsys, *base, "--read-tp", "2")
+    assert rc == 0
+    data = json.loads(out)
+    assert len(data["puts"]) == 2 * 16
+    assert [r["objects_per_chunk"] for r in data["reader"]["ranks"]] == [1, 1]
+    rc, _, err = run(capsys, *base, "--tp", "4")
+    assert rc != 0 and "heads_per_object" in err

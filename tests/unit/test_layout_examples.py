@@ -249,7 +249,7 @@ def test_layer_bands_let_pp1_and_pp2_name_the_same_layers_alike() -> None:
     assert [(c.head, c.band) for c in two.holdings(1, 0)] == [(0, 1), (1, 1)]
     assert set(one.contents(0)) == set(two.contents(0))
     assert one.band_layers(1) == two.band_layers(1) == range(16, 32)
-    assert two.local_head(1, two.holdings(1, 0)[1]) == 1
+    assert two.local_heads(1, two.holdings(1, 0)[1]) == range(1, 2)
     # By default each stage is one band: PP1 and PP2 then share nothing.
     assert Layout.create(pp=2, groups=["mla"], layers=32).bands == (0, 16, 32)
     assert Layout.create(pp=1, groups=["mla"], layers=32).bands == (0, 32)
@@ -273,3 +273,24 @@ def test_bad_stages_and_layer_bands_say_what_to_change(
 ) -> None:
     with pytest.raises(LayoutError, match=re.escape(says)):
         Layout.create(groups=["mla"], **kwargs)  # type: ignore[arg-type]
+
+
+def test_heads_per_object_groups_a_ranks_kv_heads_into_fewer_objects() -> None:
+    """8 KV heads, 4 per object: TP1 holds groups 0 and 1 (heads 0-3, 4-7), each
+    TP2 rank one of them; TP4 ranks hold 2 heads each, not a whole group: refused.
+    Another grouping is another fingerprint (never the same key for other bytes)."""
+    one = Layout.create(tp=1, groups=["gqa:8"], heads_per_object=4)
+    two = Layout.create(tp=2, groups=["gqa:8"], heads_per_object=4)
+    assert [c.head for c in one.holdings(0, 0)] == [0, 1]
+    assert [c.head for c in two.holdings(1, 0)] == [1]
+    assert one.local_heads(0, one.holdings(0, 0)[1]) == range(4, 8)
+    assert two.local_heads(1, two.holdings(1, 0)[0]) == range(0, 4)
+    assert set(one.contents(0)) == set(two.contents(0))
+    with pytest.raises(LayoutError, match=re.escape("choose heads_per_object among [1, 2]")):
+        Layout.create(tp=4, groups=["gqa:8"], heads_per_object=4)
+    # MLA has one latent: the setting does not apply to it.
+    assert Layout.create(tp=2, groups=["mla"], heads_per_object=4).holdings(0, 0)[0].head == 0
+    fields = {"model": "m", "kv_dtype": "bfloat16", "model_dtype": "bfloat16",
+              "chunk_size": 32, "head_size": 128, "num_layers": 1}  # fmt: skip
+    plain = Layout.create(tp=1, groups=["gqa:8"])
+    assert KeySpace.create(layout=one, **fields) != KeySpace.create(layout=plain, **fields)  # type: ignore[arg-type]

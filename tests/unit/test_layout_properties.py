@@ -63,6 +63,7 @@ def layout_args(draw: st.DrawFn) -> dict[str, object]:
         "layers": layers,
         "stages": draw(stage_split(layers, pp)),
         "layer_bands": bands,
+        "heads_per_object": draw(st.sampled_from([1, 1, 2, 4])),
     }
 
 
@@ -74,6 +75,7 @@ def is_valid(args: dict[str, object]) -> bool:
     stages: Any = args.get("stages")
     if bands is not None and any(first not in {0, *bands} for first, _ in stages):
         return False  # a stage must begin on a band edge
+    per: Any = args.get("heads_per_object", 1)
     for g in args["groups"]:  # type: ignore[attr-defined]
         if g.kind is GroupKind.MAMBA:
             continue
@@ -82,6 +84,8 @@ def is_valid(args: dict[str, object]) -> bool:
         else:
             if g.kv_heads % tp and tp % g.kv_heads:
                 return False
+            if (g.kv_heads // tp if g.kv_heads >= tp else 1) % per:
+                return False  # a rank must hold whole groups of heads
             share = max(1, tp // g.kv_heads)
         if share % dcp:
             return False
@@ -134,6 +138,9 @@ def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
     # Token shards: DCP splits tokens among ranks that share heads, PCP splits
     # them again (at equal dcp and pcp sizes, rank d holds the same tokens).
     tokens = (c.dcp_rank, layout.dcp, c.pcp_rank, layout.pcp)
+    if spec.kind in (GroupKind.GQA, GroupKind.MHA):  # heads_per_object runs of heads
+        per = layout.heads_per_object
+        heads = [tuple(heads[i : i + per]) for i in range(0, len(heads), per)]
     first, end = layout.stages[c.pp_rank]
     cuts = [first, *(e for e in layout.bands if first < e < end), end]
     pieces = [tuple(range(a, b)) for a, b in itertools.pairwise(cuts)]

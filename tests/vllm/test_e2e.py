@@ -255,6 +255,37 @@ def test_engines_at_pp2_and_pp1_share_prefixes_both_ways_on_one_layer_band_grid(
         assert outputs_match(got, want), (got, want)
 
 
+def test_heads_per_object_stores_fewer_larger_objects_and_engines_share_them(
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """8 KV heads of 128, ``heads_per_object`` 4: an engine writes two objects per
+    chunk (heads 0-3 and 4-7, each a run of its tensors' head axis), a fresh
+    engine loads every full block from them and answers exactly like an engine
+    without kvpool."""
+    from kvpool.demo.tiny_model import build_tiny_llama
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    model = build_tiny_llama(
+        tmp_path_factory.mktemp("llama-8kv-g4"), layers=2, heads=8, kv_heads=8, head_dim=128
+    )
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    extra = {"pool_file": pool_file, "heads_per_object": 4}
+    base = run_engine(spec(model, "none"))
+    a = run_engine(spec(model, "kvpool", extra=extra))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in prompts() for i in range(len(x) // BLOCK)}
+    assert sorted({k.content.head for k in keys}) == [0, 1]
+    assert len(keys) == 2 * len(chunks)
+    b = run_engine(spec(model, "kvpool", extra=extra))
+    assert_same_outputs(a, base)
+    assert_same_outputs(b, base)
+    assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
+
+
 def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """A hybrid model (sliding-window layers beside full attention) under vLLM's hybrid
 KV cache manager: vLLM keeps the manager on with kvpool configured, a fresh
-engine reuses the pool's prefix, and answers like an engine without kvpool."""
+engine reuses the pool's prefix, and answers like an engine without kvpool. A
+Mamba hybrid starts and serves with kvpool configured (its state is not pooled)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,28 @@ def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(
     assert stats["hit_tokens"] == 3 * 288
     assert stats["chunks_loaded"] == 3 * (9 + 3 * 2) * KV_HEADS
     assert not stats["failures"]
+
+
+def test_a_mamba_hybrid_serves_with_kvpool_configured_and_the_connector_idle(
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A random Granite-4-style model (three Mamba-2 layers, one attention layer).
+    vLLM's CPU build runs it only with prefix caching off: with it on, vLLM keeps
+    Mamba states at block boundaries ("align" mode), and its CPU path for that
+    fails (an IndexError in mamba_mixer2), so no state can be pooled here. With
+    kvpool configured the engine starts with the hybrid manager on, the connector
+    says it stays idle, and the answers equal an engine's without kvpool."""
+    from kvpool.demo.tiny_model import build_tiny_granite_hybrid
+
+    model = build_tiny_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    base = run_engine(dict(spec(model, "none"), prefix_caching=False))
+    a = run_engine(dict(spec(model, "kvpool", pool_file), prefix_caching=False))
+    assert "Turning off hybrid kv cache manager" not in a["log"]
+    assert "Mamba / linear-attention state is not pooled yet" in a["log"]
+    assert "stays idle" in a["log"]
+    assert_same_outputs(a, base)
+    assert not a["connector"].get("bytes_saved")  # nothing saved (no counters at all)

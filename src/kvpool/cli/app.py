@@ -97,6 +97,13 @@ def cli(verbose: bool) -> None:
     help="The layers where a layer band begins (the connector's layer_bands); "
     "default: where each PP stage begins.",
 )
+@click.option(
+    "--heads-per-object",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="KV heads per pool object (the connector's heads_per_object).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def plan(
     tp: int,
@@ -112,6 +119,7 @@ def plan(
     read_pp: int | None,
     layers: int | None,
     layer_bands: str | None,
+    heads_per_object: int,
     as_json: bool,
 ) -> None:
     """Show who writes and who reads every key of a parallel layout."""
@@ -141,7 +149,8 @@ def plan(
         raise click.UsageError("--read-pp needs the model's layer count: --layers N")
     if bands is None and reading:  # one grid for both: where a stage of either begins
         bands = sorted({k * layers // n for n in (pp, r_pp) for k in range(n)}) if layers else None
-    common = {"pcp": pcp, "dcp": dcp, "groups": specs, "layers": layers, "layer_bands": bands}
+    common = {"pcp": pcp, "dcp": dcp, "groups": specs, "layers": layers, "layer_bands": bands,
+              "heads_per_object": heads_per_object}  # fmt: skip
     layout = Layout.create(tp=tp, pp=pp, dp_index=dp_index, **common)  # type: ignore[arg-type]
     result = build_plan(layout, space_of(layout), chunks)
     readers: tuple[ReaderRank, ...] = ()

@@ -169,6 +169,58 @@ def build_tiny_gemma3(
     return folder
 
 
+def build_tiny_granite_hybrid(
+    folder: str | Path,
+    *,
+    layers: int = 4,
+    attention_every: int = 4,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
+    """Write a random Granite-4-style hybrid (``GraniteMoeHybridForCausalLM``, no
+    experts): Mamba-2 layers, every ``attention_every``-th one attention, and the
+    tokenizer into ``folder``."""
+    folder = Path(folder)
+    spec = {"arch": "granitemoehybrid", "layers": layers, "attention_every": attention_every,
+            "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed}  # fmt: skip
+    stamp = folder / "kvpool-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return folder
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    tok = _write_tokenizer(folder)
+    kinds = ["attention" if (i + 1) % attention_every == 0 else "mamba" for i in range(layers)]
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=max(1024, len(tok)),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        shared_intermediate_size=2 * hidden,
+        num_local_experts=0,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        layer_types=kinds,
+        mamba_n_heads=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_head=hidden * 2 // 8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        position_embedding_type="rope",
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    GraniteMoeHybridForCausalLM(cfg).save_pretrained(folder)
+    stamp.write_text(json.dumps(spec))
+    return folder
+
+
 def build_shaped_llama(
     folder: str | Path, shape: ModelShape, hidden: int, max_positions: int
 ) -> Path:

@@ -151,7 +151,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             settings, pool_settings = parse_extra(transfer.kv_connector_extra_config)
             identity = engine_identity(
-                vllm_config, kv_cache_config, settings.chunk_size, settings.layer_bands
+                vllm_config,
+                kv_cache_config,
+                settings.chunk_size,
+                settings.layer_bands,
+                settings.heads_per_object,
             )
             pool = load_config(pool_settings)
             pool.require_master()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, KVPoolError, LayoutError
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
@@ -113,10 +113,11 @@ def engine_identity(
     kv_cache_config: Any,
     chunk_size: int = 0,
     layer_bands: Sequence[int] = (),
+    heads_per_object: int = 1,
 ) -> EngineIdentity:
     """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled.
     ``layer_bands`` (the setting): the layers where a band begins; empty = where
-    each PP stage begins."""
+    each PP stage begins; ``heads_per_object`` (the setting): KV heads per object."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -153,17 +154,26 @@ def engine_identity(
         )
     pp = int(parallel.pipeline_parallel_size)
     layers = int(model.get_total_num_hidden_layers())
-    layout = Layout.create(
-        tp=int(parallel.tensor_parallel_size),
-        pp=pp,
-        layers=layers,
-        stages=pp_stages(layers, pp),
-        layer_bands=list(layer_bands) or None,
-        pcp=int(getattr(parallel, "prefill_context_parallel_size", 1)),
-        dcp=int(getattr(parallel, "decode_context_parallel_size", 1)),
-        groups=groups,
-        dp_index=dp_index_of(parallel),
-    )
+    shape: dict[str, Any] = {
+        "tp": int(parallel.tensor_parallel_size),
+        "pp": pp,
+        "layers": layers,
+        "stages": pp_stages(layers, pp),
+        "pcp": int(getattr(parallel, "prefill_context_parallel_size", 1)),
+        "dcp": int(getattr(parallel, "decode_context_parallel_size", 1)),
+        "groups": groups,
+        "dp_index": dp_index_of(parallel),
+    }
+    layout = Layout.create(**shape)  # the engine's own layout (LayoutError: unsupported)
+    grid: dict[str, Any] = {
+        "layer_bands": list(layer_bands) or None,
+        "heads_per_object": heads_per_object,
+    }
+    if grid != {"layer_bands": None, "heads_per_object": 1}:
+        try:
+            layout = Layout.create(**shape, **grid)
+        except LayoutError as exc:  # the settings do not fit this engine: fix them
+            raise ConfigError(str(exc)) from exc
     model_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype = str(cache.cache_dtype)
     if kv_dtype == "auto":

@@ -186,8 +186,10 @@ class WorkerSide:
         for g, local in self._local.items():
             held = layout.holdings(self.rank, g)
             layers = self._groups[local]
-            heads = len({c.head for c in held})
-            if heads > 1:
+            # Each shard's run of the rank's local KV heads (heads_per_object of them).
+            spans = {c.head: layout.local_heads(self.rank, c) for c in held}
+            heads = max(r.stop for r in spans.values())
+            if len(spans) > 1:
                 for name, t in layers:
                     if t.dim() != 4 or t.shape[1] != heads:
                         raise UnsupportedEngine(
@@ -209,12 +211,14 @@ class WorkerSide:
                             f"group {g}; choose layer_bands so that every band holds layers "
                             "of every group"
                         )
-                if heads > 1:
-                    i = layout.local_head(self.rank, c)
-                    mine = [(name, t.narrow(1, i, 1)) for name, t in mine]
+                if len(spans) > 1:
+                    r = spans[c.head]
+                    mine = [(name, t.narrow(1, r.start, len(r))) for name, t in mine]
                 self._shards[g].append((c, len(views)))
                 views.append(mine)
-            if banded and sum(len(views[v]) for _, v in self._shards[g]) != len(layers) * heads:
+            if banded and sum(len(views[v]) for _, v in self._shards[g]) != len(layers) * len(
+                spans
+            ):
                 raise UnsupportedEngine(
                     f"KV group {g}'s layers {sorted(index.values())} on this rank are not "
                     f"all inside its PP stage's layer bands; kvpool cannot name them"

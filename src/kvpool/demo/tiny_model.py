@@ -21,6 +21,7 @@ run with the pool against one without. Needs ``transformers`` and
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,33 +60,46 @@ def build_tiny_llama(
         "seed": seed,
         "head_dim": head_dim,
     }
-    stamp = folder / "kvpool-tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == spec:
-        return folder
     if (head_dim or hidden // heads) < 32:
         raise ValueError(
             "vLLM's CPU attention needs a head size (head_dim or hidden / heads) >= 32"
         )
+
+    def make(tok: Any) -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=max(1024, len(tok)),
+                hidden_size=hidden,
+                intermediate_size=intermediate,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                max_position_embeddings=max_positions,
+                **({"head_dim": head_dim} if head_dim else {}),
+                tie_word_embeddings=False,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
+
+    return _save_once(folder, spec, make)
+
+
+def _save_once(folder: Path, spec: dict[str, Any], make: Callable[[Any], Any]) -> Path:
+    """Write the tokenizer and the random model ``make(tokenizer)`` (weights drawn
+    after seeding torch with ``spec["seed"]``) into ``folder``, stamped with
+    ``spec``; a folder already stamped alike is reused as it is."""
+    stamp = folder / "kvpool-tiny.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return folder
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = _write_tokenizer(folder)
-    cfg = LlamaConfig(
-        vocab_size=max(1024, len(tok)),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        **({"head_dim": head_dim} if head_dim else {}),
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    torch.manual_seed(spec["seed"])
+    make(tok).save_pretrained(folder)
     stamp.write_text(json.dumps(spec))
     return folder
 
@@ -137,36 +151,33 @@ def build_tiny_gemma3(
     spec = {"arch": "gemma3", "layers": layers, "full_every": full_every, "window": window,
             "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "seed": seed}  # fmt: skip
-    stamp = folder / "kvpool-tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == spec:
-        return folder
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    tok = _write_tokenizer(folder)
     kinds = [
         "full_attention" if (i + 1) % full_every == 0 else "sliding_attention"
         for i in range(layers)
     ]
-    cfg = Gemma3TextConfig(
-        vocab_size=max(1024, len(tok)),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        sliding_window=window,
-        layer_types=kinds,
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    Gemma3ForCausalLM(cfg).save_pretrained(folder)
-    stamp.write_text(json.dumps(spec))
-    return folder
+
+    def make(tok: Any) -> Any:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        return Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                vocab_size=max(1024, len(tok)),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                head_dim=head_dim,
+                sliding_window=window,
+                layer_types=kinds,
+                max_position_embeddings=4096,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
+
+    return _save_once(folder, spec, make)
 
 
 def build_tiny_granite_hybrid(
@@ -185,40 +196,37 @@ def build_tiny_granite_hybrid(
     folder = Path(folder)
     spec = {"arch": "granitemoehybrid", "layers": layers, "attention_every": attention_every,
             "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed}  # fmt: skip
-    stamp = folder / "kvpool-tiny.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == spec:
-        return folder
-    import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
-
-    tok = _write_tokenizer(folder)
     kinds = ["attention" if (i + 1) % attention_every == 0 else "mamba" for i in range(layers)]
-    cfg = GraniteMoeHybridConfig(
-        vocab_size=max(1024, len(tok)),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        shared_intermediate_size=2 * hidden,
-        num_local_experts=0,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        layer_types=kinds,
-        mamba_n_heads=8,
-        mamba_n_groups=1,
-        mamba_d_state=16,
-        mamba_d_head=hidden * 2 // 8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        position_embedding_type="rope",
-        max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(seed)
-    GraniteMoeHybridForCausalLM(cfg).save_pretrained(folder)
-    stamp.write_text(json.dumps(spec))
-    return folder
+
+    def make(tok: Any) -> Any:
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        return GraniteMoeHybridForCausalLM(
+            GraniteMoeHybridConfig(
+                vocab_size=max(1024, len(tok)),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                shared_intermediate_size=2 * hidden,
+                num_local_experts=0,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                layer_types=kinds,
+                mamba_n_heads=8,
+                mamba_n_groups=1,
+                mamba_d_state=16,
+                mamba_d_head=hidden * 2 // 8,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                position_embedding_type="rope",
+                max_position_embeddings=4096,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        )
+
+    return _save_once(folder, spec, make)
 
 
 def build_shaped_llama(

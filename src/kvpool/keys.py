@@ -24,10 +24,14 @@ The TP size is not in the fingerprint: a shard is named by its global KV head
 objects. The exception is a model with a mamba group, whose state slices depend
 on tp: its fingerprint keeps tp. Neither is the PP size: a shard holds one
 layer band, and the fingerprint holds the band grid, so engines at PP1 and PP2
-with one grid share objects. DCP and PCP sizes stay in it (their token classes
-differ between sizes), and so does ``heads_per_object`` (how many KV heads a
-shard holds, ``layout``). Schemas 1 (rank slots) and 2 (one object per PP stage)
-are never probed (a miss), so old pools are harmless.
+with one grid share objects. Nor is the DCP size: a shard holds one token class
+of a grid of ``token_classes`` (``layout``), which the fingerprint holds with the
+interleave and the block hash's tokens (``block_size`` x dcp), so engines at
+DCP1 and DCP2 with one grid and equal hash blocks share objects. The PCP size
+stays in it (its token classes differ between sizes), and so does
+``heads_per_object`` (how many KV heads a shard holds). Schemas 1 (rank slots)
+and 2 (one object per PP stage) are never probed (a miss), so old pools are
+harmless.
 """
 
 from __future__ import annotations
@@ -177,7 +181,8 @@ class KeySpace:
             "layer_bands": list(layout.bands),  # edges, 0 .. layers
             "heads_per_object": layout.heads_per_object,
             "pcp": layout.pcp,
-            "dcp": layout.dcp,
+            "token_classes": layout.token_classes,  # DCP's token grid, not its size
+            "interleave": layout.interleave,
             "groups": [str(g) for g in layout.groups],
             "hash_algo": hash_algo,
             "hash_seed": str(hash_seed),
@@ -185,6 +190,7 @@ class KeySpace:
         }
         if any(g.kind is GroupKind.MAMBA for g in layout.groups):
             config["tp"] = layout.tp  # a state slice's bytes depend on tp
+            config["dcp"] = layout.dcp  # and its shards (one per DCP rank) on dcp
         blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
         return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config)
 

@@ -14,6 +14,7 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
                               probe, and exactly the ones read
     Layout.band_layers(b)     the model's layers in layer band b
     Layout.local_heads(r, c)  which of rank r's local KV heads shard c holds
+    Layout.local_tokens(r, c) which rows of rank r's blocks shard c holds
 
 A shard is named by what it holds, never by who holds it, so engines of one
 model at different TP sizes name the same bytes alike and share them
@@ -34,8 +35,15 @@ model at different TP sizes name the same bytes alike and share them
   engines at PP1 and PP2 whose band grids are equal (say bands 0-15 and 16-31
   of 32 layers) name the same bytes alike; a stage must begin on a band edge.
   The grid is in the fingerprint.
-* dcp_rank and pcp_rank name the token class; they mean the same bytes only at
-  equal dcp and pcp (the fingerprint holds them).
+* dcp_rank is the token class under DCP: vLLM puts the token at offset o of a
+  block-table entry (``block_size * dcp`` tokens) on DCP rank ``(o // I) % dcp``
+  (I: the interleave). The pool cuts tokens into ``token_classes`` T classes
+  the same way, ``(o // I) % T``, T a multiple of dcp (by default T = dcp): DCP
+  rank j holds the classes j, j+dcp, ..., so engines at DCP1 and DCP2 with one
+  T (and equal ``block_size * dcp``, which fixes vLLM's block hash) name the
+  same tokens alike. T and I are in the fingerprint, the DCP size is not.
+* pcp_rank names PCP's token class; it means the same bytes only at equal pcp
+  (the fingerprint holds it).
 * Ranks holding an equal ContentId hold identical bytes and form its replica
   set. Writes are striped inside it: chunk k of a shard of group g is written
   by member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
@@ -241,6 +249,8 @@ class Layout:
     stages: tuple[tuple[int, int], ...] = ((0, 1),)
     bands: tuple[int, ...] = (0, 1)
     heads_per_object: int = 1
+    token_classes: int = 1
+    interleave: int = 1
 
     @classmethod
     def create(
@@ -257,6 +267,8 @@ class Layout:
         stages: Sequence[tuple[int, int]] | None = None,
         layer_bands: Sequence[int] | None = None,
         heads_per_object: int = 1,
+        token_classes: int | None = None,
+        interleave: int = 1,
     ) -> Layout:
         """Validate and normalise; raise ``LayoutError`` saying what to change.
 
@@ -279,6 +291,13 @@ class Layout:
         if not specs:
             raise LayoutError("a layout needs at least one KV group, e.g. 'gqa:8' or 'mla'")
         per_object = _positive("heads_per_object", heads_per_object)
+        classes = dcp if token_classes is None else _positive("token_classes", token_classes)
+        if classes % dcp:
+            raise LayoutError(
+                f"token_classes={classes} must be a multiple of dcp={dcp} (each DCP rank "
+                f"holds whole classes); e.g. {dcp * (classes // dcp + 1)}"
+            )
+        step = _positive("interleave", interleave)
         for i, g in enumerate(specs):
             _check_group(i, g, tp, dcp)
             _check_head_groups(i, g, tp, per_object)
@@ -288,7 +307,7 @@ class Layout:
         edges = _check_bands(n_layers, split, layer_bands)
         layout = cls(
             tp, pp, pcp, dcp, specs, tuple(sorted(given, key=lambda c: c.rank)), dp_index,
-            n_layers, split, edges, per_object,
+            n_layers, split, edges, per_object, classes, step,
         )  # fmt: skip
         layout._check_coords()
         return layout
@@ -317,10 +336,17 @@ class Layout:
         c = self.coord(rank)
         spec = self._group(group)
         bands = self._stage_bands[c.pp_rank]
+        # A mamba state is not split into tokens: its one class is the DCP rank.
+        classes = (
+            (c.dcp_rank,)
+            if spec.kind is GroupKind.MAMBA
+            else range(c.dcp_rank, self.token_classes, self.dcp)
+        )
         return tuple(
-            ContentId(h, c.dcp_rank, c.pcp_rank, b, group)
+            ContentId(h, t, c.pcp_rank, b, group)
             for h in self._shard_heads(spec, c.tp_rank)
             for b in bands
+            for t in classes
         )
 
     def band_layers(self, band: int) -> range:
@@ -340,6 +366,20 @@ class Layout:
         per = self.heads_per_object if spec.kind in _HEADED else 1
         i = ids.index(content.head)
         return range(i * per, (i + 1) * per)
+
+    def local_tokens(self, rank: int, content: ContentId) -> tuple[int, int, int]:
+        """Which rows of rank ``rank``'s physical blocks ``content`` holds, as
+        ``(n, k, I)``: view a block's token axis as ``[-1, n, I]`` and take index
+        ``k`` of the middle axis. ``(1, 0, I)`` is the whole block. A DCP rank j
+        holds local row l of virtual offset ``((l // I) * dcp + j) * I + l % I``,
+        of class ``((l // I) * dcp + j) % T`` (vLLM's placement)."""
+        c = self.coord(rank)
+        if self._group(content.group).kind is GroupKind.MAMBA:
+            return (1, 0, self.interleave)
+        n = self.token_classes // self.dcp
+        if content.dcp_rank % self.dcp != c.dcp_rank:
+            raise LayoutError(f"rank {rank} does not hold {content}")
+        return (n, content.dcp_rank // self.dcp, self.interleave)
 
     def _shard_heads(self, spec: GroupSpec, tp_rank: int) -> range:
         """The head ids of a TP rank's shards of ``spec``: its KV heads, grouped

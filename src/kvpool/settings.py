@@ -40,6 +40,12 @@ class ConnectorSettings:
         "at equal values, and each TP rank must hold whole groups (TP <= KV heads / "
         "this value).",
     )
+    token_classes: int = documented(
+        0,
+        "Token classes per block under DCP (a multiple of the DCP size; 0 = the DCP "
+        "size): engines at different DCP sizes share objects when it is equal and so "
+        "is block_size x DCP (vLLM's block hash).",
+    )
     lookup_timeout_ms: float = documented(
         50.0, "Deadline of one scheduler-side lookup; past it the request misses."
     )
@@ -104,6 +110,8 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             continue
         if name in ("lookup_async", "save_decode", "zero_copy"):
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
+        elif name == "token_classes":
+            values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
         elif name == "heads_per_object":
             values[name] = int(
                 parse_number(v, f"kv_connector_extra_config.{name}", integer=True, minimum=1)

@@ -116,11 +116,11 @@ def test_plan_shows_a_reader_at_another_tp_beside_the_writer(
         (2, [0]), (2, [0]), (2, [1]), (2, [1])
     ]  # fmt: skip
     rc, out, _ = run(capsys, "plan", "--tp", "2", "--kv-heads", "8", "--read-tp", "1")
-    assert rc == 0 and "a reader at tp=1 pp=1 beside this writer at tp=2 pp=1" in out
+    assert rc == 0 and "a reader at tp=1 pp=1 dcp=1 beside this writer at tp=2 pp=1 dcp=1" in out
     args = ["plan", "--tp", "2", "--group", "gqa:8", "--group", "mamba", "--read-tp", "1"]
     rc, out, _ = run(capsys, *args, "--json")
     assert rc == 0 and json.loads(out)["reader"] == {
-        "tp": 1, "pp": 1, "shares_keys": False, "ranks": []
+        "tp": 1, "pp": 1, "dcp": 1, "shares_keys": False, "ranks": []
     }  # fmt: skip
     rc, out, _ = run(capsys, *args)
     assert rc == 0 and "shares no object" in out
@@ -163,3 +163,26 @@ def test_plan_takes_heads_per_object(capsys: pytest.CaptureFixture[str]) -> None
     assert [r["objects_per_chunk"] for r in data["reader"]["ranks"]] == [1, 1]
     rc, _, err = run(capsys, *base, "--tp", "4")
     assert rc != 0 and "heads_per_object" in err
+
+
+def test_plan_shows_a_reader_at_another_dcp_size_on_one_token_grid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """MLA at TP2/DCP2 beside a TP1/DCP1 reader on one grid of 2 token classes: the
+    DCP1 rank reads both classes (2 objects per chunk), one from each writer
+    rank; the other way round, each DCP2 rank reads its own class."""
+    base = ["plan", "--group", "mla", "--json"]
+    rc, out, _ = run(capsys, *base, "--tp", "2", "--dcp", "2", "--read-tp", "1", "--read-dcp", "1")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["layout"]["token_classes"] == 2
+    assert data["reader"]["ranks"] == [
+        {"rank": 0, "objects_per_chunk": 2, "bytes_share": 1.0, "writers": [0, 1]}
+    ]
+    rc, out, _ = run(capsys, *base, "--read-tp", "2", "--read-dcp", "2")
+    ranks = json.loads(out)["reader"]["ranks"]
+    assert [(r["objects_per_chunk"], r["bytes_share"], r["writers"]) for r in ranks] == [
+        (1, 0.5, [0]), (1, 0.5, [0])
+    ]  # fmt: skip
+    rc, _, err = run(capsys, *base, "--tp", "2", "--dcp", "2", "--token-classes", "3")
+    assert rc != 0 and "multiple of dcp=2" in err

@@ -64,6 +64,8 @@ def layout_args(draw: st.DrawFn) -> dict[str, object]:
         "stages": draw(stage_split(layers, pp)),
         "layer_bands": bands,
         "heads_per_object": draw(st.sampled_from([1, 1, 2, 4])),
+        "token_classes": dcp * draw(st.sampled_from([1, 1, 2, 4])),
+        "interleave": draw(st.sampled_from([1, 1, 2, 16])),
     }
 
 
@@ -135,16 +137,34 @@ def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
         heads = list(range(c.tp_rank * per, (c.tp_rank + 1) * per))
     else:
         heads = [c.tp_rank * spec.kv_heads // tp]
-    # Token shards: DCP splits tokens among ranks that share heads, PCP splits
-    # them again (at equal dcp and pcp sizes, rank d holds the same tokens).
-    tokens = (c.dcp_rank, layout.dcp, c.pcp_rank, layout.pcp)
     if spec.kind in (GroupKind.GQA, GroupKind.MHA):  # heads_per_object runs of heads
         per = layout.heads_per_object
         heads = [tuple(heads[i : i + per]) for i in range(0, len(heads), per)]
     first, end = layout.stages[c.pp_rank]
     cuts = [first, *(e for e in layout.bands if first < e < end), end]
     pieces = [tuple(range(a, b)) for a, b in itertools.pairwise(cuts)]
-    return [(group, h, tokens, layers) for h in heads for layers in pieces]
+    return [
+        (group, h, tokens, layers) for h in heads for layers in pieces for tokens in
+        token_shards(layout, c.dcp_rank, c.pcp_rank, spec.kind is GroupKind.MAMBA)
+    ]  # fmt: skip
+
+
+def token_shards(layout: Layout, dcp_rank: int, pcp_rank: int, state: bool) -> list[object]:
+    """The tokens of one block-table entry (2*T*I of them, virtual offsets) a DCP
+    rank holds, by vLLM's placement (offset o on DCP rank (o // I) % dcp), split
+    into the pool's token classes ((o // I) % T), in class order; PCP splits them
+    again (at equal pcp, PCP rank p holds the same tokens). A mamba state is not
+    split: one shard per DCP rank, named by the DCP size."""
+    pcp = (pcp_rank, layout.pcp)
+    if state:
+        return [("state", dcp_rank, layout.dcp, pcp)]
+    d, n, step = layout.dcp, layout.token_classes, layout.interleave
+    mine = [o for o in range(2 * n * step) if (o // step) % d == dcp_rank]
+    return [
+        (tuple(o for o in mine if (o // step) % n == cls), pcp)
+        for cls in range(n)
+        if any((o // step) % n == cls for o in mine)
+    ]
 
 
 def object_contents(layout: Layout, space: KeySpace, chunks: int) -> dict[tuple[int, str], object]:
@@ -212,15 +232,18 @@ def test_content_id_equality_is_physical_identity(args: dict[str, object]) -> No
 
 @st.composite
 def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]:
-    """A writer and a reader layout of one model: equal pcp, dcp and groups, any
-    two TP sizes that both fit the model, any two PP sizes and stage splits, and
+    """A writer and a reader layout of one model: equal pcp and groups, any two
+    DCP sizes on one token grid, any two TP sizes that both fit the model, any
+    two PP sizes and stage splits, and
     one layer-band grid that both can use (every stage of either begins on an
     edge, plus random further edges)."""
     args = draw(layout_args())
-    dcp, layers = args["dcp"], args["layers"]
-    assert isinstance(dcp, int) and isinstance(layers, int)
+    classes, layers = args["token_classes"], args["layers"]
+    assert isinstance(classes, int) and isinstance(layers, int)
     pp = draw(st.integers(1, min(4, layers)))
-    other = dict(args, tp=draw(st.sampled_from([t for t in range(1, 17) if t % dcp == 0])))
+    # Another DCP size on the same token grid (a divisor of token_classes).
+    dcp = draw(st.sampled_from([d for d in range(1, min(classes, 16) + 1) if classes % d == 0]))
+    other = dict(args, dcp=dcp, tp=draw(st.sampled_from([t for t in range(1, 17) if t % dcp == 0])))
     other.update(pp=pp, stages=draw(stage_split(layers, pp)), dp_index=draw(st.integers(0, 7)))
     extra = draw(st.sets(st.integers(0, layers - 1), max_size=3))
     starts = {first for a in (args, other) for first, _ in a["stages"]}  # type: ignore[attr-defined]
@@ -238,7 +261,7 @@ def test_a_reader_at_another_tp_or_pp_finds_every_byte_written_once_and_never_an
     sizes differ, one layer-band grid):
     every object R reads was written by exactly one rank of W, which physically
     held the bytes R expects under that key; no key of W or R ever names two
-    contents. A model with a mamba group shares nothing across TP sizes."""
+    contents. A model with a mamba group shares nothing across TP or DCP sizes."""
     w_layout, r_layout = make_layout(pair[0]), make_layout(pair[1])
     w_space, r_space = space_for(w_layout), space_for(r_layout)
     w_plan = build_plan(w_layout, w_space, chunks)
@@ -252,7 +275,7 @@ def test_a_reader_at_another_tp_or_pp_finds_every_byte_written_once_and_never_an
         assert content.setdefault(key, what) == what, f"{key} names two contents"
     mamba = any(g.kind is GroupKind.MAMBA for g in w_layout.groups)
     read = {key for _, key in r_holds}
-    if mamba and w_layout.tp != r_layout.tp:
+    if mamba and (w_layout.tp, w_layout.dcp) != (r_layout.tp, r_layout.dcp):
         assert not read & set(writers)  # another fingerprint: misses, never wrong bytes
         return
     assert w_space == r_space

@@ -286,6 +286,33 @@ def test_heads_per_object_stores_fewer_larger_objects_and_engines_share_them(
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
 
 
+def test_token_classes_cut_each_block_into_strided_objects_that_load_back_exactly(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """``token_classes`` 2 at DCP1 (what a pool shared with DCP2 engines needs): each
+    object of a chunk holds every other token of its block (a strided view of the
+    KV tensors, no copy), two per KV head. A fresh engine loads every full block
+    from them and answers exactly like an engine without kvpool: the strided
+    rows went back where they came from. (vLLM's CPU build runs no DCP.)"""
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    extra = {"pool_file": pool_file, "token_classes": 2}
+    base = run_engine(spec(tiny_model, "none"))
+    a = run_engine(spec(tiny_model, "kvpool", extra=extra))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in prompts() for i in range(len(x) // BLOCK)}
+    assert {(k.content.head, k.content.dcp_rank) for k in keys} == {
+        (h, c) for h in range(2) for c in range(2)
+    }
+    assert len(keys) == 2 * 2 * len(chunks)
+    b = run_engine(spec(tiny_model, "kvpool", extra=extra))
+    assert_same_outputs(a, base)
+    assert_same_outputs(b, base)
+    assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
+
+
 def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

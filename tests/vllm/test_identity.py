@@ -4,6 +4,7 @@ changes it; settings that change no KV byte leave it alone (engines keep sharing
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,23 @@ def test_under_dcp_a_chunk_counts_the_tokens_of_vllms_scheduler_block(base: Any)
     assert identity.chunk_size == 2 * BLOCK and identity.blocks_per_chunk == 1
     assert identity.layout.dcp == 2
     assert engine_identity(base, _kv_config(base)).block_size == BLOCK
+
+
+def test_dcp1_and_dcp2_engines_on_one_token_grid_share_a_fingerprint(base: Any) -> None:
+    """DCP2 at block size 16 hashes 32-token entries like DCP1 at 32: on one grid of
+    2 token classes their fingerprints are equal (they share objects); on the
+    default grids (one class per DCP rank) they differ."""
+    dcp2 = copy.deepcopy(base)
+    dcp2.parallel_config.tensor_parallel_size = 4  # 2 KV heads: 2 ranks share each
+    dcp2.parallel_config.decode_context_parallel_size = 2
+    dcp2.cache_config.block_size = BLOCK // 2
+    kv2 = _kv_config(dcp2)
+    for g in kv2.kv_cache_groups:
+        g.kv_cache_spec = dataclasses.replace(g.kv_cache_spec, block_size=BLOCK // 2)
+    one, two = engine_identity(base, _kv_config(base)), engine_identity(dcp2, kv2)
+    assert one.chunk_size == two.chunk_size == BLOCK
+    assert one.space.fingerprint != two.space.fingerprint
+    one = engine_identity(base, _kv_config(base), token_classes=2)
+    two = engine_identity(dcp2, kv2, token_classes=2)
+    assert one.space.fingerprint == two.space.fingerprint
+    assert set(one.layout.contents(0)) == set(two.layout.contents(0))

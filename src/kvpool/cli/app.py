@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 
 import click
@@ -98,6 +99,20 @@ def cli(verbose: bool) -> None:
     "default: where each PP stage begins.",
 )
 @click.option(
+    "--read-dcp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also show what an engine of this DCP size reads (with --read-tp: its TP). "
+    "Both use one token grid: --token-classes, or by default the larger DCP size "
+    "when one divides the other.",
+)
+@click.option(
+    "--token-classes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Token classes per block (the connector's token_classes; default: dcp).",
+)
+@click.option(
     "--heads-per-object",
     default=1,
     show_default=True,
@@ -119,6 +134,8 @@ def plan(
     read_pp: int | None,
     layers: int | None,
     layer_bands: str | None,
+    read_dcp: int | None,
+    token_classes: int | None,
     heads_per_object: int,
     as_json: bool,
 ) -> None:
@@ -143,20 +160,22 @@ def plan(
         )
 
     bands = _layer_bands(layer_bands)
-    reading = read_tp is not None or read_pp is not None
-    r_tp, r_pp = read_tp or tp, read_pp or pp
+    reading = read_tp is not None or read_pp is not None or read_dcp is not None
+    r_tp, r_pp, r_dcp = read_tp or tp, read_pp or pp, read_dcp or dcp
     if read_pp is not None and read_pp != pp and layers is None:
         raise click.UsageError("--read-pp needs the model's layer count: --layers N")
     if bands is None and reading:  # one grid for both: where a stage of either begins
         bands = sorted({k * layers // n for n in (pp, r_pp) for k in range(n)}) if layers else None
-    common = {"pcp": pcp, "dcp": dcp, "groups": specs, "layers": layers, "layer_bands": bands,
-              "heads_per_object": heads_per_object}  # fmt: skip
-    layout = Layout.create(tp=tp, pp=pp, dp_index=dp_index, **common)  # type: ignore[arg-type]
+    if token_classes is None and reading:  # one grid for both DCP sizes
+        token_classes = math.lcm(dcp, r_dcp)
+    common = {"pcp": pcp, "groups": specs, "layers": layers, "layer_bands": bands,
+              "heads_per_object": heads_per_object, "token_classes": token_classes}  # fmt: skip
+    layout = Layout.create(tp=tp, pp=pp, dcp=dcp, dp_index=dp_index, **common)  # type: ignore[arg-type]
     result = build_plan(layout, space_of(layout), chunks)
     readers: tuple[ReaderRank, ...] = ()
     reader = layout
     if reading:
-        reader = Layout.create(tp=r_tp, pp=r_pp, **common)  # type: ignore[arg-type]
+        reader = Layout.create(tp=r_tp, pp=r_pp, dcp=r_dcp, **common)  # type: ignore[arg-type]
         readers = read_across(result, reader, space_of(reader))
     if as_json:
         data = render.plan_json(result)

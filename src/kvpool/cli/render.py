@@ -56,8 +56,8 @@ def plan_reader_table(plan: Plan, reader: Layout, rows: tuple[ReaderRank, ...]) 
     size), the objects it reads per chunk and the writer ranks they come from."""
     w = plan.layout
     t = Table(
-        title=f"a reader at tp={reader.tp} pp={reader.pp} beside this writer at "
-        f"tp={w.tp} pp={w.pp}{_bands_label(w, ' (layer bands {})')}"
+        title=f"a reader at tp={reader.tp} pp={reader.pp} dcp={reader.dcp} beside this "
+        f"writer at tp={w.tp} pp={w.pp} dcp={w.dcp}{_bands_label(w, ' (layer bands {})')}"
     )
     t.add_column("reader rank", justify="right")
     for g, spec in enumerate(plan.layout.groups):
@@ -106,6 +106,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "pp": layout.pp,
             "layers": layout.layers,
             "layer_bands": list(layout.bands[:-1]),
+            "token_classes": layout.token_classes,
             "pcp": layout.pcp,
             "dcp": layout.dcp,
             "dp_index": layout.dp_index,
@@ -140,6 +141,7 @@ def reader_json(reader: Layout, rows: tuple[ReaderRank, ...]) -> dict[str, Any]:
     return {
         "tp": reader.tp,
         "pp": reader.pp,
+        "dcp": reader.dcp,
         "shares_keys": bool(rows),
         "ranks": [
             {

@@ -156,6 +156,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 settings.chunk_size,
                 settings.layer_bands,
                 settings.heads_per_object,
+                settings.token_classes,
             )
             pool = load_config(pool_settings)
             pool.require_master()

@@ -114,10 +114,12 @@ def engine_identity(
     chunk_size: int = 0,
     layer_bands: Sequence[int] = (),
     heads_per_object: int = 1,
+    token_classes: int = 0,
 ) -> EngineIdentity:
     """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled.
     ``layer_bands`` (the setting): the layers where a band begins; empty = where
-    each PP stage begins; ``heads_per_object`` (the setting): KV heads per object."""
+    each PP stage begins; ``heads_per_object`` (the setting): KV heads per object;
+    ``token_classes`` (the setting): DCP's token grid, 0 = the DCP size."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -163,13 +165,15 @@ def engine_identity(
         "dcp": int(getattr(parallel, "decode_context_parallel_size", 1)),
         "groups": groups,
         "dp_index": dp_index_of(parallel),
+        "interleave": int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1),
     }
     layout = Layout.create(**shape)  # the engine's own layout (LayoutError: unsupported)
     grid: dict[str, Any] = {
         "layer_bands": list(layer_bands) or None,
         "heads_per_object": heads_per_object,
+        "token_classes": token_classes or None,
     }
-    if grid != {"layer_bands": None, "heads_per_object": 1}:
+    if grid != {"layer_bands": None, "heads_per_object": 1, "token_classes": None}:
         try:
             layout = Layout.create(**shape, **grid)
         except LayoutError as exc:  # the settings do not fit this engine: fix them

@@ -71,6 +71,21 @@ NULL_BLOCK = 0
 _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 
 
+def _token_class(name: str, t: torch.Tensor, n: int, k: int, step: int) -> torch.Tensor:
+    """The rows of every block of ``t`` in token class ``k`` of ``n`` (runs of
+    ``step`` tokens, ``Layout.local_tokens``): the token axis of vLLM's
+    ``[blocks, heads, tokens, content]`` (MLA: ``[blocks, tokens, latent]``) viewed
+    as ``[-1, n, step]``, index ``k`` of the middle axis; a view, no copy."""
+    dim = 2 if t.dim() == 4 else 1
+    if t.dim() not in (3, 4) or t.shape[dim] % (n * step):
+        raise UnsupportedEngine(
+            f"KV tensor {name} has shape {tuple(t.shape)}: kvpool cannot cut its blocks' "
+            f"tokens into {n} classes of runs of {step}; lower token_classes"
+        )
+    shape = [*t.shape[:dim], t.shape[dim] // (n * step), n, step, *t.shape[dim + 1 :]]
+    return t.view(shape).select(dim + 1, k)
+
+
 class WorkerSide:
     def __init__(
         self,
@@ -214,6 +229,9 @@ class WorkerSide:
                 if len(spans) > 1:
                     r = spans[c.head]
                     mine = [(name, t.narrow(1, r.start, len(r))) for name, t in mine]
+                n, k, step = layout.local_tokens(self.rank, c)
+                if n > 1:
+                    mine = [(name, _token_class(name, t, n, k, step)) for name, t in mine]
                 self._shards[g].append((c, len(views)))
                 views.append(mine)
             if banded and sum(len(views[v]) for _, v in self._shards[g]) != len(layers) * len(

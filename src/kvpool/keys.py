@@ -27,9 +27,9 @@ layer band, and the fingerprint holds the band grid, so engines at PP1 and PP2
 with one grid share objects. Nor is the DCP size: a shard holds one token class
 of a grid of ``token_classes`` (``layout``), which the fingerprint holds with the
 interleave and the block hash's tokens (``block_size`` x dcp), so engines at
-DCP1 and DCP2 with one grid and equal hash blocks share objects. The PCP size
-stays in it (its token classes differ between sizes), and so does
-``heads_per_object`` (how many KV heads a shard holds). Schemas 1 (rank slots)
+DCP1 and DCP2 with one grid and equal hash blocks share objects. Nor is the PCP
+size (PCP ranks hold replicas), but for mamba groups. ``heads_per_object`` (how
+many KV heads a shard holds) is in it. Schemas 1 (rank slots)
 and 2 (one object per PP stage) are never probed (a miss), so old pools are
 harmless.
 """
@@ -180,7 +180,6 @@ class KeySpace:
             "num_layers": num_layers,
             "layer_bands": list(layout.bands),  # edges, 0 .. layers
             "heads_per_object": layout.heads_per_object,
-            "pcp": layout.pcp,
             "token_classes": layout.token_classes,  # DCP's token grid, not its size
             "interleave": layout.interleave,
             "groups": [str(g) for g in layout.groups],
@@ -191,6 +190,7 @@ class KeySpace:
         if any(g.kind is GroupKind.MAMBA for g in layout.groups):
             config["tp"] = layout.tp  # a state slice's bytes depend on tp
             config["dcp"] = layout.dcp  # and its shards (one per DCP rank) on dcp
+            config["pcp"] = layout.pcp  # and on pcp
         blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
         return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config)
 

@@ -42,8 +42,11 @@ model at different TP sizes name the same bytes alike and share them
   rank j holds the classes j, j+dcp, ..., so engines at DCP1 and DCP2 with one
   T (and equal ``block_size * dcp``, which fixes vLLM's block hash) name the
   same tokens alike. T and I are in the fingerprint, the DCP size is not.
-* pcp_rank names PCP's token class; it means the same bytes only at equal pcp
-  (the fingerprint holds it).
+* pcp_rank is 0 for attention groups: vLLM's PCP ranks hold replicas of the
+  KV cache (each gathers the KV its PCP peers computed and writes all of it;
+  block tables and slot mappings split tokens by DCP only), so PCP ranks join
+  replica sets and engines at any PCP size share. It is the PCP rank only for
+  mamba, whose state keeps the PCP size in the fingerprint.
 * Ranks holding an equal ContentId hold identical bytes and form its replica
   set. Writes are striped inside it: chunk k of a shard of group g is written
   by member ``(k + g) % f`` of the sorted set (f = its size). The choice depends
@@ -342,8 +345,9 @@ class Layout:
             if spec.kind is GroupKind.MAMBA
             else range(c.dcp_rank, self.token_classes, self.dcp)
         )
+        pcp_rank = c.pcp_rank if spec.kind is GroupKind.MAMBA else 0  # PCP ranks: replicas
         return tuple(
-            ContentId(h, t, c.pcp_rank, b, group)
+            ContentId(h, t, pcp_rank, b, group)
             for h in self._shard_heads(spec, c.tp_rank)
             for b in bands
             for t in classes

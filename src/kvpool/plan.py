@@ -184,9 +184,9 @@ def read_across(writer: Plan, reader: Layout, reader_space: KeySpace) -> tuple[R
 
 def _shard_weight(layout: Layout, c: ContentId) -> float:
     """Relative bytes of shard ``c``: its band's share of the layers, and a token
-    class's 1/(token_classes*pcp) of the tokens (all of them for mamba state)."""
+    class's 1/token_classes of the tokens (all of them for mamba state)."""
     spec = layout.groups[c.group]
-    tokens = 1 if spec.kind is GroupKind.MAMBA else layout.token_classes * layout.pcp
+    tokens = 1 if spec.kind is GroupKind.MAMBA else layout.token_classes
     return len(layout.band_layers(c.band)) / (layout.layers * tokens)
 
 

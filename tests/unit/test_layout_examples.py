@@ -82,15 +82,19 @@ def test_a_rank_holds_one_shard_per_kv_head_named_by_its_global_index() -> None:
 
 
 def test_tp_sizes_of_one_model_share_keys_and_other_sizes_do_not() -> None:
-    """The fingerprint leaves tp out (shards are named by head), but keeps pp, dcp
-    and pcp, and keeps tp for a model with a mamba group (state slices depend on tp)."""
+    """The fingerprint leaves tp out (shards are named by head) and pcp (PCP ranks
+    are replicas), keeps the layer bands (by default one per PP stage) and the token
+    grid (by default one class per DCP rank), and keeps tp for a model with a mamba
+    group (state slices depend on tp)."""
     one, two = Layout.create(tp=1, groups=["gqa:8"]), Layout.create(tp=2, groups=["gqa:8"])
     assert space(one) == space(two)
     assert space(one).key(one.holdings(0, 0)[5], b"x") == space(two).key(
         two.holdings(1, 0)[1], b"x"
     )
     assert space(Layout.create(tp=1, pp=2, groups=["gqa:8"])) != space(one)
-    assert space(Layout.create(tp=1, pcp=2, groups=["gqa:8"])) != space(one)
+    pcp2 = Layout.create(tp=1, pcp=2, groups=["gqa:8"])
+    assert space(pcp2) == space(one) and pcp2.holdings(1, 0) == one.holdings(0, 0)
+    assert pcp2.replica_set(one.holdings(0, 0)[0]) == (0, 1)  # the two PCP ranks
     mla = Layout.create(tp=2, groups=["mla"])
     assert space(Layout.create(tp=2, dcp=2, groups=["mla"])) != space(mla)
     assert space(Layout.create(tp=8, groups=["mla"])) == space(mla)

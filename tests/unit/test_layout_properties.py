@@ -1,5 +1,5 @@
 """Property tests: for every valid layout, who writes and who reads agree, and
-for every pair of layouts of one model at different TP and PP sizes too.
+for every pair of layouts of one model at different TP, PP, DCP and PCP sizes too.
 
 The invariants are checked over the whole plan (``kvpool.plan.build_plan``) of
 random layouts: tp <= 16, pp <= 4 with random (uneven) stage splits of up to 12
@@ -152,16 +152,15 @@ def physical_heads(layout: Layout, rank: int, group: int) -> list[object]:
 def token_shards(layout: Layout, dcp_rank: int, pcp_rank: int, state: bool) -> list[object]:
     """The tokens of one block-table entry (2*T*I of them, virtual offsets) a DCP
     rank holds, by vLLM's placement (offset o on DCP rank (o // I) % dcp), split
-    into the pool's token classes ((o // I) % T), in class order; PCP splits them
-    again (at equal pcp, PCP rank p holds the same tokens). A mamba state is not
-    split: one shard per DCP rank, named by the DCP size."""
-    pcp = (pcp_rank, layout.pcp)
+    into the pool's token classes ((o // I) % T), in class order. PCP ranks hold
+    the same tokens (vLLM's PCP ranks gather each other's KV: replicas). A mamba
+    state is not split: one shard per DCP and PCP rank, named by both sizes."""
     if state:
-        return [("state", dcp_rank, layout.dcp, pcp)]
+        return [("state", dcp_rank, layout.dcp, pcp_rank, layout.pcp)]
     d, n, step = layout.dcp, layout.token_classes, layout.interleave
     mine = [o for o in range(2 * n * step) if (o // step) % d == dcp_rank]
     return [
-        (tuple(o for o in mine if (o // step) % n == cls), pcp)
+        tuple(o for o in mine if (o // step) % n == cls)
         for cls in range(n)
         if any((o // step) % n == cls for o in mine)
     ]
@@ -232,8 +231,8 @@ def test_content_id_equality_is_physical_identity(args: dict[str, object]) -> No
 
 @st.composite
 def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]:
-    """A writer and a reader layout of one model: equal pcp and groups, any two
-    DCP sizes on one token grid, any two TP sizes that both fit the model, any
+    """A writer and a reader layout of one model: equal groups, any two PCP sizes,
+    any two DCP sizes on one token grid, any two TP sizes that both fit the model, any
     two PP sizes and stage splits, and
     one layer-band grid that both can use (every stage of either begins on an
     edge, plus random further edges)."""
@@ -244,6 +243,7 @@ def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]
     # Another DCP size on the same token grid (a divisor of token_classes).
     dcp = draw(st.sampled_from([d for d in range(1, min(classes, 16) + 1) if classes % d == 0]))
     other = dict(args, dcp=dcp, tp=draw(st.sampled_from([t for t in range(1, 17) if t % dcp == 0])))
+    other["pcp"] = draw(st.integers(1, 2))
     other.update(pp=pp, stages=draw(stage_split(layers, pp)), dp_index=draw(st.integers(0, 7)))
     extra = draw(st.sets(st.integers(0, layers - 1), max_size=3))
     starts = {first for a in (args, other) for first, _ in a["stages"]}  # type: ignore[attr-defined]
@@ -254,14 +254,14 @@ def layout_pairs(draw: st.DrawFn) -> tuple[dict[str, object], dict[str, object]]
 
 @settings(max_examples=300, deadline=None)
 @given(layout_pairs(), st.integers(1, 6))
-def test_a_reader_at_another_tp_or_pp_finds_every_byte_written_once_and_never_another(
+def test_a_reader_at_other_tp_pp_dcp_pcp_sizes_finds_every_byte_written_once_and_never_another(
     pair: tuple[dict[str, object], dict[str, object]], chunks: int
 ) -> None:
-    """For a writer layout W and a reader layout R of the same model (TP and PP
-    sizes differ, one layer-band grid):
+    """For a writer layout W and a reader layout R of the same model (TP, PP, DCP
+    and PCP sizes differ; one layer-band grid, one token grid):
     every object R reads was written by exactly one rank of W, which physically
     held the bytes R expects under that key; no key of W or R ever names two
-    contents. A model with a mamba group shares nothing across TP or DCP sizes."""
+    contents. A model with a mamba group shares nothing across TP, DCP or PCP sizes."""
     w_layout, r_layout = make_layout(pair[0]), make_layout(pair[1])
     w_space, r_space = space_for(w_layout), space_for(r_layout)
     w_plan = build_plan(w_layout, w_space, chunks)
@@ -275,7 +275,11 @@ def test_a_reader_at_another_tp_or_pp_finds_every_byte_written_once_and_never_an
         assert content.setdefault(key, what) == what, f"{key} names two contents"
     mamba = any(g.kind is GroupKind.MAMBA for g in w_layout.groups)
     read = {key for _, key in r_holds}
-    if mamba and (w_layout.tp, w_layout.dcp) != (r_layout.tp, r_layout.dcp):
+    if mamba and (w_layout.tp, w_layout.dcp, w_layout.pcp) != (
+        r_layout.tp,
+        r_layout.dcp,
+        r_layout.pcp,
+    ):
         assert not read & set(writers)  # another fingerprint: misses, never wrong bytes
         return
     assert w_space == r_space

@@ -269,8 +269,13 @@ def run_engine_bench(
     )
     full, local_hit = baseline["results"][0::2], baseline["results"][1::2]
     runs = []
-    # Room for every connector's objects, with headroom for headers and slack.
-    pool = LocalPool.start(workdir / "pool", segment_size=max(2 << 30, 2 * kv_bytes * 5 // 4))
+    # Room for every connector's objects (each also saves its engine's warm-up
+    # prompt, as long as the longest), with headroom for headers and slack: a
+    # pool that fills up evicts the first connector's objects under the second.
+    saved = kv_bytes + longest * shape.kv_bytes_per_token
+    pool = LocalPool.start(
+        workdir / "pool", segment_size=max(2 << 30, len(connectors) * saved * 5 // 4)
+    )
     try:
         cfg = pool.config()
         pool_file = pool.write_pool_file(workdir / "pool.json")

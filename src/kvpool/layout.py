@@ -5,8 +5,9 @@ Everything that stores, loads or looks up KV asks it; nothing re-derives it.
 
     Layout.create(...)        validate and normalise a layout (raises LayoutError
                               with the field to change)
-    Layout.holdings(r, g)     the shards (ContentIds) rank r holds of KV group g,
-                              in the order of its local KV heads
+    Layout.holdings(r, g)     the shards (ContentIds) rank r holds of KV group g:
+                              per local KV head (or run of heads), per layer
+                              band, per token class
     Layout.replica_set(c)     ranks holding shard c, byte-identical (sorted)
     Layout.writer(c, k)       the one rank that writes chunk k of shard c
     Layout.writes(r, c, k)    does rank r write chunk k of shard c?
@@ -53,22 +54,24 @@ model at different TP sizes name the same bytes alike and share them
   only on the absolute chunk index, so delta saves agree with earlier ones.
 * Every rank reads the shards it holds. Every shard has at least one holder,
   so the keys read are exactly the keys written, in every layout and across
-  layouts that differ only in tp.
+  layouts of one model on one grid (layer bands, token classes, heads per
+  object), whatever their TP, PP, DCP and PCP sizes.
 
 Default rank coordinates follow vLLM's group construction: TP fastest, then
 PCP, then PP (``rank = tp_rank + tp * (pcp_rank + pcp * pp_rank)``) and
 ``dcp_rank = tp_rank % dcp`` (DCP groups are runs of consecutive TP ranks).
 An engine may pass the coordinates it reads from its real groups instead.
+Group kinds and their specs live in ``kvpool.groups`` (re-exported here).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from kvpool.errors import LayoutError
+from kvpool.groups import HEADED, GroupKind, GroupSpec
 
 __all__ = [
     "ContentId",
@@ -79,107 +82,7 @@ __all__ = [
 ]
 
 
-class GroupKind(enum.StrEnum):
-    """How a KV-cache group's bytes are spread over TP ranks."""
-
-    MHA = "mha"  # one KV head per attention head; kv_heads = attention heads
-    GQA = "gqa"  # kv_heads shared by groups of attention heads
-    MLA = "mla"  # one compressed latent, replicated on every TP rank
-    MAMBA = "mamba"  # recurrent state sharded by TP, never replicated
-
-
-_HEADED = (GroupKind.MHA, GroupKind.GQA)
 MAX_RANKS = 4096  # tp * pp * pcp of one engine; far above any real deployment
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """One KV-cache group of the model.
-
-    ``kv_heads`` is the model's total number of KV heads (all TP ranks together)
-    for mha/gqa, and 0 for mla and mamba, where it has no meaning. ``window`` is
-    a sliding-window group's window in tokens (0: full attention); it changes
-    which chunks a hit needs (``needed_chunks``), never who holds or writes what.
-    """
-
-    kind: GroupKind
-    kv_heads: int = 0
-    window: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> GroupSpec:
-        """Parse ``mla``, ``mamba``, ``gqa:8`` or ``mha:32``, each attention kind
-        optionally with a sliding window: ``gqa:8:w4096``, ``mla:w128``."""
-        parts = text.strip().lower().split(":")
-        window = 0
-        if len(parts) > 1 and parts[-1].startswith("w"):
-            try:
-                window = int(parts[-1][1:])
-            except ValueError:
-                raise LayoutError(
-                    f"a sliding window in {text!r} is 'w' and a token count, e.g. 'gqa:8:w4096'"
-                ) from None
-            if window < 1:
-                raise LayoutError(f"a sliding window must be >= 1 token, got {text!r}")
-            parts.pop()
-        name, heads = parts[0], ":".join(parts[1:])
-        try:
-            kind = GroupKind(name)
-        except ValueError:
-            kinds = ", ".join(k.value for k in GroupKind)
-            raise LayoutError(
-                f"unknown KV group kind {name!r} in {text!r}; use one of {kinds}"
-            ) from None
-        if window and kind is GroupKind.MAMBA:
-            raise LayoutError(f"mamba has no sliding window; write 'mamba', not {text!r}")
-        if kind in _HEADED:
-            if not heads:
-                raise LayoutError(f"{kind.value} needs its total KV heads, e.g. '{kind.value}:8'")
-            try:
-                n = int(heads)
-            except ValueError:
-                raise LayoutError(
-                    f"KV heads in {text!r} must be an integer, e.g. 'gqa:8'"
-                ) from None
-            return cls(kind, n, window)
-        if heads:
-            raise LayoutError(f"{kind.value} takes no head count; write '{kind.value}'")
-        return cls(kind, 0, window)
-
-    def __str__(self) -> str:
-        base = f"{self.kind.value}:{self.kv_heads}" if self.kind in _HEADED else self.kind.value
-        return f"{base}:w{self.window}" if self.window else base
-
-    def needed_chunks(self, hit_chunks: int, chunk_size: int) -> range:
-        """The chunks a hit of ``hit_chunks`` chunks needs of this group: all of them
-        for full attention; for a sliding window, those holding the last
-        ``window - 1`` tokens before the hit (what the next token attends to)."""
-        if not self.window or hit_chunks == 0:
-            return range(hit_chunks)
-        first_token = max(0, hit_chunks * chunk_size - (self.window - 1))
-        return range(first_token // chunk_size, hit_chunks)
-
-    def replication(self, tp: int) -> int:
-        """How many TP ranks hold each distinct slice of this group (1 = none)."""
-        if self.kind is GroupKind.MLA:
-            return tp
-        if self.kind is GroupKind.MAMBA:
-            return 1
-        return max(1, tp // self.kv_heads)
-
-    def heads(self, tp: int, tp_rank: int) -> range:
-        """The shards TP rank ``tp_rank`` holds of this group, in its local order:
-        global KV-head indices for mha/gqa, ``0`` (the latent) for mla and the
-        rank's own state slice for mamba."""
-        if self.kind is GroupKind.MLA:
-            return range(1)
-        if self.kind is GroupKind.MAMBA:
-            return range(tp_rank, tp_rank + 1)
-        if self.kv_heads >= tp:
-            per = self.kv_heads // tp
-            return range(tp_rank * per, (tp_rank + 1) * per)
-        first = tp_rank // self.replication(tp)
-        return range(first, first + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +270,7 @@ class Layout:
         ids = self._shard_heads(spec, c.tp_rank)
         if content.head not in ids:
             raise LayoutError(f"rank {rank} does not hold {content}")
-        per = self.heads_per_object if spec.kind in _HEADED else 1
+        per = self.heads_per_object if spec.kind in HEADED else 1
         i = ids.index(content.head)
         return range(i * per, (i + 1) * per)
 
@@ -390,7 +293,7 @@ class Layout:
         ``heads_per_object`` at a time for mha/gqa."""
         heads = spec.heads(self.tp, tp_rank)
         per = self.heads_per_object
-        if per == 1 or spec.kind not in _HEADED:
+        if per == 1 or spec.kind not in HEADED:
             return heads
         return range(heads.start // per, heads.stop // per)
 
@@ -536,7 +439,7 @@ def _check_bands(
 
 def _check_head_groups(index: int, g: GroupSpec, tp: int, per: int) -> None:
     """Each TP rank must hold whole groups of ``per`` KV heads."""
-    if per == 1 or g.kind not in _HEADED:
+    if per == 1 or g.kind not in HEADED:
         return
     held = g.kv_heads // tp if g.kv_heads >= tp else 1
     if held % per:
@@ -549,7 +452,7 @@ def _check_head_groups(index: int, g: GroupSpec, tp: int, per: int) -> None:
 
 def _check_group(index: int, g: GroupSpec, tp: int, dcp: int) -> None:
     where = f"group {index} ({g})"
-    if g.kind in _HEADED:
+    if g.kind in HEADED:
         h = g.kv_heads
         if isinstance(h, bool) or not isinstance(h, int) or h < 1:
             raise LayoutError(f"{where}: kv_heads must be a positive integer, got {h!r}")

@@ -238,7 +238,8 @@ class Layout:
 
     def holdings(self, rank: int, group: int) -> tuple[ContentId, ...]:
         """The shards rank ``rank`` holds of group ``group`` (also those it reads):
-        per local KV head in its order, the layer bands of its stage."""
+        per local KV head (or run of heads) in its order, per layer band of its
+        stage, its token classes."""
         c = self.coord(rank)
         spec = self._group(group)
         bands = self._stage_bands[c.pp_rank]

@@ -346,6 +346,38 @@ def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_re
     tp1.close()
 
 
+def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_alone() -> None:
+    """Two layers in bands 0 and 1, two token classes: one object per band and
+    class of each chunk, each that band's layer and every other token; a fresh
+    worker loads them back into other blocks byte for byte."""
+    store = MemoryStore(capacity=1 << 30)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv_config = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    layout = Layout.create(groups=["gqa:1"], layers=2, layer_bands=[0, 1], token_classes=2)
+    space = KeySpace.create(model="m", layout=layout, kv_dtype="f32", model_dtype="f32",
+                            chunk_size=B, head_size=64, num_layers=2)  # fmt: skip
+    ident = EngineIdentity(layout, space, B, B, 0)
+
+    def worker(caches: dict[str, torch.Tensor]) -> WorkerSide:
+        w = WorkerSide(ident, 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store)
+        w.register(caches)
+        assert w.engine is not None
+        return w
+
+    saved = {n: t for n, t in zip(names, kv_caches().values(), strict=True)}
+    w = worker(saved)
+    w.start_saves(KVPoolMetadata(saves=[ops("s", [3])]))
+    assert w.engine is not None
+    assert all(r.ok for r in w.engine.wait(list(w._save_reqs), timeout=10))
+    assert len(store._objects) == 2 * 2  # bands x token classes
+    fresh = {n: torch.zeros_like(t) for n, t in saved.items()}
+    r = worker(fresh)
+    r.start_loads(KVPoolMetadata(loads=[ops("l", [9])]))
+    assert finished_within(r, "l") == (True, False)
+    for n in names:
+        assert torch.equal(fresh[n][9], saved[n][3])
+
+
 def test_a_kv_tensor_whose_heads_cannot_be_found_leaves_the_worker_idle(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

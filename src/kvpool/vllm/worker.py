@@ -234,9 +234,9 @@ class WorkerSide:
                     mine = [(name, _token_class(name, t, n, k, step)) for name, t in mine]
                 self._shards[g].append((c, len(views)))
                 views.append(mine)
-            if banded and sum(len(views[v]) for _, v in self._shards[g]) != len(layers) * len(
-                spans
-            ):
+            if banded and not set(index.values()) <= {
+                layer for c in held for layer in layout.band_layers(c.band)
+            }:
                 raise UnsupportedEngine(
                     f"KV group {g}'s layers {sorted(index.values())} on this rank are not "
                     f"all inside its PP stage's layer bands; kvpool cannot name them"

@@ -79,6 +79,7 @@ __all__ = [
     "GroupSpec",
     "Layout",
     "RankCoords",
+    "even_stages",
 ]
 
 
@@ -117,7 +118,7 @@ def _default_coords(tp: int, pp: int, pcp: int, dcp: int) -> tuple[RankCoords, .
     return tuple(out)
 
 
-def _even_stages(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+def even_stages(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
     """Stage k holds layers [k*L//pp, (k+1)*L//pp): an even split. Engines pass
     vLLM's real stages (``get_pp_indices``), which place remainders elsewhere."""
     return tuple((k * layers // pp, (k + 1) * layers // pp) for k in range(pp))
@@ -399,7 +400,7 @@ def _check_stages(
     if stages is None:
         if layers < pp:
             raise LayoutError(f"pp={pp} stages need at least {pp} layers, got layers={layers}")
-        return _even_stages(layers, pp)
+        return even_stages(layers, pp)
     split = tuple((int(a), int(b)) for a, b in stages)
     if len(split) != pp:
         raise LayoutError(f"stages must list pp={pp} layer ranges, got {len(split)}")

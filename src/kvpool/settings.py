@@ -18,7 +18,7 @@ from typing import Any, Literal
 from kvpool.config import ENV_PREFIX, PoolConfig, documented, parse_bool, parse_number, parse_size
 from kvpool.errors import ConfigError
 
-__all__ = ["ConnectorSettings", "parse_extra", "settings_table"]
+__all__ = ["ConnectorSettings", "parse_extra", "parse_layer_bands", "settings_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +110,14 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
             continue
         if name in ("lookup_async", "save_decode", "zero_copy"):
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
-        elif name == "token_classes":
-            values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
         elif name == "heads_per_object":
             values[name] = int(
                 parse_number(v, f"kv_connector_extra_config.{name}", integer=True, minimum=1)
             )
-        elif name == "chunk_size":
+        elif name in ("chunk_size", "token_classes"):
             values[name] = int(parse_number(v, f"kv_connector_extra_config.{name}", integer=True))
         elif name == "layer_bands":
-            values[name] = _layer_bands(v)
+            values[name] = parse_layer_bands(v, f"kv_connector_extra_config.{name}")
         elif name == "staging_bytes":
             values[name] = parse_size(v, f"kv_connector_extra_config.{name}")
         elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
@@ -143,19 +141,19 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
     return ConnectorSettings(**values), pool
 
 
-def _layer_bands(value: Any) -> tuple[int, ...]:
-    """``[0, 16]``, ``(0, 16)`` or ``"0,16"`` as a tuple of layer indices."""
+def parse_layer_bands(value: Any, name: str) -> tuple[int, ...]:
+    """``[0, 16]``, ``(0, 16)`` or ``"0,16"`` as a tuple of layer indices; a
+    ``ConfigError`` naming ``name`` otherwise."""
     items = value.split(",") if isinstance(value, str) else value
     try:
         out = tuple(
-            int(parse_number(v, "kv_connector_extra_config.layer_bands", integer=True))
+            int(parse_number(v, name, integer=True))
             for v in items
             if not (isinstance(v, str) and not v.strip())
         )
     except (TypeError, ConfigError):
         raise ConfigError(
-            "kv_connector_extra_config.layer_bands lists the layers where a band begins, "
-            f'e.g. [0, 16] or "0,16"; got {value!r}'
+            f'{name} lists the layers where a band begins, e.g. [0, 16] or "0,16"; got {value!r}'
         ) from None
     return out
 

@@ -28,8 +28,9 @@ from kvpool.cli.demo_cmd import demo
 from kvpool.cli.pool_cmd import down, status, up
 from kvpool.errors import KVPoolError
 from kvpool.keys import KeySpace
-from kvpool.layout import GroupSpec, Layout
+from kvpool.layout import GroupSpec, Layout, even_stages
 from kvpool.plan import ReaderRank, build_plan, read_across
+from kvpool.settings import parse_layer_bands
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -159,13 +160,13 @@ def plan(
             num_layers=layout.layers,
         )
 
-    bands = _layer_bands(layer_bands)
+    bands = None if layer_bands is None else list(parse_layer_bands(layer_bands, "--layer-bands"))
     reading = read_tp is not None or read_pp is not None or read_dcp is not None
     r_tp, r_pp, r_dcp = read_tp or tp, read_pp or pp, read_dcp or dcp
     if read_pp is not None and read_pp != pp and layers is None:
         raise click.UsageError("--read-pp needs the model's layer count: --layers N")
-    if bands is None and reading:  # one grid for both: where a stage of either begins
-        bands = sorted({k * layers // n for n in (pp, r_pp) for k in range(n)}) if layers else None
+    if bands is None and reading and layers:  # one grid: where a stage of either begins
+        bands = sorted({first for n in (pp, r_pp) for first, _ in even_stages(layers, n)})
     if token_classes is None and reading:  # one grid for both DCP sizes
         token_classes = math.lcm(dcp, r_dcp)
     common = {"pcp": pcp, "groups": specs, "layers": layers, "layer_bands": bands,
@@ -192,18 +193,6 @@ def plan(
             f"an engine at tp={r_tp} pp={r_pp} shares no object with this layout: a mamba "
             "group's state slices depend on tp, so its keys differ"
         )
-
-
-def _layer_bands(text: str | None) -> list[int] | None:
-    """``--layer-bands 0,16`` as a list; a usage error says what is wrong."""
-    if text is None:
-        return None
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise click.UsageError(
-            f"--layer-bands takes layer indices separated by commas, e.g. 0,16; got {text!r}"
-        ) from None
 
 
 @cli.command("settings")

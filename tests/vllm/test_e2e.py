@@ -21,6 +21,19 @@ BLOCK = 32
 TINY_KV_HEADS = 2  # build_tiny_llama's default; kvpool stores one object per KV head
 
 
+def pool_objects(
+    local_pool: Any, texts: list[list[int]], chunk: int = BLOCK
+) -> tuple[list[Any], int]:
+    """The pool's keys, parsed, and how many distinct chunks of ``chunk`` tokens
+    ``texts`` hold (a chunk is named by its whole prefix)."""
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    chunks = {tuple(t[: (i + 1) * chunk]) for t in texts for i in range(len(t) // chunk)}
+    return keys, len(chunks)
+
+
 def prompts(seed: int = 0) -> list[list[int]]:
     """Three prompts sharing a 256-token prefix, with distinct tails."""
     rng = random.Random(seed)
@@ -85,9 +98,6 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
-
     # vLLM's publisher connects to a tcp://HOST:PORT endpoint (it binds only to "*"),
     # so the subscriber binds.
     batches: list[bytes] = []
@@ -119,11 +129,10 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
     decoder = msgspec.msgpack.Decoder(KVEventBatch)
     events = [e for b in batches for e in decoder.decode(b).events]
     ours = [e for e in events if isinstance(e, BlockStored) and e.medium == "cpu"]
-    chunks = {tuple(p[: (i + 1) * BLOCK]) for p in prompts() for i in range(len(p) // BLOCK)}
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    keys, chunks = pool_objects(local_pool, prompts())
     # One event per chunk; the pool holds one object per KV head of each chunk.
-    assert len(ours) == len(chunks) == len({k.chunk_hash for k in keys})
-    assert len(keys) == TINY_KV_HEADS * len(chunks)
+    assert len(ours) == chunks == len({k.chunk_hash for k in keys})
+    assert len(keys) == TINY_KV_HEADS * chunks
     assert all(e.block_size == BLOCK and len(e.token_ids) == BLOCK for e in ours)
     by_tokens = {tuple(e.token_ids): e for e in ours}
     for p in prompts():  # each chunk's parent is the chunk before it in the prompt
@@ -136,17 +145,14 @@ def test_kv_events_announce_each_chunk_once_it_is_in_the_pool(
 def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
 
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
     base = run_engine(spec(tiny_model, "none"))
     two = {"pool_file": pool_file, "chunk_size": 2 * BLOCK}
     run_engine(spec(tiny_model, "kvpool", extra=two))
-    chunks = {tuple(p[: (i + 1) * 2 * BLOCK]) for p in prompts() for i in range(len(p) // 64)}
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
-    assert len({k.chunk_hash for k in keys}) == len(chunks) == 4
-    assert len(keys) == TINY_KV_HEADS * len(chunks)  # one object per KV head
+    keys, chunks = pool_objects(local_pool, prompts(), chunk=2 * BLOCK)
+    assert len({k.chunk_hash for k in keys}) == chunks == 4
+    assert len(keys) == TINY_KV_HEADS * chunks  # one object per KV head
     b = run_engine(spec(tiny_model, "kvpool", extra=two))
     assert_same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256
@@ -172,8 +178,6 @@ def test_engines_at_tp2_and_tp1_share_prefixes_both_ways(
     a wrong head or a wrong byte order moves them by whole units, and the tokens."""
     from kvpool.demo.run import outputs_match
     from kvpool.demo.tiny_model import build_tiny_llama
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
 
     model = build_tiny_llama(
         tmp_path_factory.mktemp("llama-8kv"), layers=4, heads=8, kv_heads=8, head_dim=128
@@ -185,10 +189,9 @@ def test_engines_at_tp2_and_tp1_share_prefixes_both_ways(
     base2 = run_engine(spec(model, "none", prompts=q, **tp2))
 
     a = run_engine(spec(model, "kvpool", pool_file, prompts=p, **tp2))
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
-    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in p for i in range(len(x) // BLOCK)}
+    keys, chunks = pool_objects(local_pool, p)
     assert sorted({k.content.head for k in keys}) == list(range(8))
-    assert len(keys) == 8 * len(chunks)  # one object per KV head and chunk, none twice
+    assert len(keys) == 8 * chunks  # one object per KV head and chunk, none twice
     assert a["results"][0]["cached_tokens"] == 0
 
     b = run_engine(spec(model, "kvpool", pool_file, prompts=p + q))
@@ -222,8 +225,6 @@ def test_engines_at_pp2_and_pp1_share_prefixes_both_ways_on_one_layer_band_grid(
     or layer order moves them by whole units, and the tokens."""
     from kvpool.demo.run import outputs_match
     from kvpool.demo.tiny_model import build_tiny_llama
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
 
     model = build_tiny_llama(
         tmp_path_factory.mktemp("llama-8kv-4l"), layers=4, heads=8, kv_heads=8, head_dim=128
@@ -235,12 +236,11 @@ def test_engines_at_pp2_and_pp1_share_prefixes_both_ways_on_one_layer_band_grid(
     base = run_engine(spec(model, "none", prompts=p + q))
 
     a = run_engine(spec(model, "kvpool", prompts=p, extra=bands, **pp2))
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
-    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in p for i in range(len(x) // BLOCK)}
+    keys, chunks = pool_objects(local_pool, p)
     assert {(k.content.head, k.content.band) for k in keys} == {
         (h, b) for h in range(8) for b in (0, 1)
     }
-    assert len(keys) == 8 * 2 * len(chunks)  # one object per head, band and chunk
+    assert len(keys) == 8 * 2 * chunks  # one object per head, band and chunk
     for got, want in zip(a["results"], base["results"], strict=False):
         assert outputs_match(got, want), (got, want)
 
@@ -266,8 +266,6 @@ def test_heads_per_object_stores_fewer_larger_objects_and_engines_share_them(
     engine loads every full block from them and answers exactly like an engine
     without kvpool."""
     from kvpool.demo.tiny_model import build_tiny_llama
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
 
     model = build_tiny_llama(
         tmp_path_factory.mktemp("llama-8kv-g4"), layers=2, heads=8, kv_heads=8, head_dim=128
@@ -276,10 +274,9 @@ def test_heads_per_object_stores_fewer_larger_objects_and_engines_share_them(
     extra = {"pool_file": pool_file, "heads_per_object": 4}
     base = run_engine(spec(model, "none"))
     a = run_engine(spec(model, "kvpool", extra=extra))
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
-    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in prompts() for i in range(len(x) // BLOCK)}
+    keys, chunks = pool_objects(local_pool, prompts())
     assert sorted({k.content.head for k in keys}) == [0, 1]
-    assert len(keys) == 2 * len(chunks)
+    assert len(keys) == 2 * chunks
     b = run_engine(spec(model, "kvpool", extra=extra))
     assert_same_outputs(a, base)
     assert_same_outputs(b, base)
@@ -294,19 +291,16 @@ def test_token_classes_cut_each_block_into_strided_objects_that_load_back_exactl
     KV tensors, no copy), two per KV head. A fresh engine loads every full block
     from them and answers exactly like an engine without kvpool: the strided
     rows went back where they came from. (vLLM's CPU build runs no DCP.)"""
-    from kvpool.keys import parse_key
-    from kvpool.pool import master_keys
 
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
     extra = {"pool_file": pool_file, "token_classes": 2}
     base = run_engine(spec(tiny_model, "none"))
     a = run_engine(spec(tiny_model, "kvpool", extra=extra))
-    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
-    chunks = {tuple(x[: (i + 1) * BLOCK]) for x in prompts() for i in range(len(x) // BLOCK)}
+    keys, chunks = pool_objects(local_pool, prompts())
     assert {(k.content.head, k.content.dcp_rank) for k in keys} == {
         (h, c) for h in range(2) for c in range(2)
     }
-    assert len(keys) == 2 * 2 * len(chunks)
+    assert len(keys) == 2 * 2 * chunks
     b = run_engine(spec(tiny_model, "kvpool", extra=extra))
     assert_same_outputs(a, base)
     assert_same_outputs(b, base)

@@ -26,12 +26,15 @@ on tp: its fingerprint keeps tp. Neither is the PP size: a shard holds one
 layer band, and the fingerprint holds the band grid, so engines at PP1 and PP2
 with one grid share objects. Nor is the DCP size: a shard holds one token class
 of a grid of ``token_classes`` (``layout``), which the fingerprint holds with the
-interleave and the block hash's tokens (``block_size`` x dcp), so engines at
-DCP1 and DCP2 with one grid and equal hash blocks share objects. Nor is the PCP
+interleave, so engines at DCP1 and DCP2 with one grid share objects. Nor is the PCP
 size (PCP ranks hold replicas), but for mamba groups. ``heads_per_object`` (how
-many KV heads a shard holds) is in it. Schemas 1 (rank slots)
-and 2 (one object per PP stage) are never probed (a miss), so old pools are
-harmless.
+many KV heads a shard holds) is in it. Nor are vLLM's hash settings: a chunk
+is named by kvpool's own hash chain over its tokens (``chunkhash``), whose name
+and the chunk size are in it. (The vLLM identity adds the block size and the
+attention kernel's layout: an object holds whole blocks in the kernel's byte
+order.) Schemas 1 (rank
+slots), 2 (one object per PP stage) and 3 (chunks named by vLLM's block hashes)
+are never probed (a miss), so old pools are harmless.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvpool.errors import KeyFormatError, LayoutError
 from kvpool.layout import ContentId, GroupKind, Layout
 
 __all__ = [
+    "CHUNK_HASH",
     "OBJECT_FORMAT",
     "SCHEMA_VERSION",
     "KeySpace",
@@ -58,8 +62,11 @@ __all__ = [
 ]
 
 # 2: shards named by global KV head, tp left out of the fingerprint; 3: a shard
-# holds one layer band (``.b``), the band grid in the fingerprint instead of pp
-SCHEMA_VERSION = 3
+# holds one layer band (``.b``), the band grid in the fingerprint instead of pp;
+# 4: chunks named by kvpool's own hash chain (``chunkhash``), not vLLM's block hashes
+SCHEMA_VERSION = 4
+# How chunks are named (``kvpool.chunkhash``), in every fingerprint.
+CHUNK_HASH = "kvpool-sha256-1"
 # The format of stored objects (``kvpool.header.FORMAT_VERSION``). It is part of
 # every fingerprint, so engines of different formats use different keys: an object
 # of another format is a miss, never read (and removed) as corrupt.
@@ -149,8 +156,6 @@ class KeySpace:
         chunk_size: int,
         head_size: int,
         num_layers: int,
-        hash_algo: str = "sha256",
-        hash_seed: str = "",
         extra: Mapping[str, str | int] | None = None,
     ) -> KeySpace:
         """Fingerprint everything that changes KV bytes or the hash chain.
@@ -183,8 +188,7 @@ class KeySpace:
             "token_classes": layout.token_classes,  # DCP's token grid, not its size
             "interleave": layout.interleave,
             "groups": [str(g) for g in layout.groups],
-            "hash_algo": hash_algo,
-            "hash_seed": str(hash_seed),
+            "chunk_hash": CHUNK_HASH,
             "extra": {k: extra[k] for k in sorted(extra)} if extra else {},
         }
         if any(g.kind is GroupKind.MAMBA for g in layout.groups):

@@ -41,8 +41,9 @@ model at different TP sizes name the same bytes alike and share them
   (I: the interleave). The pool cuts tokens into ``token_classes`` T classes
   the same way, ``(o // I) % T``, T a multiple of dcp (by default T = dcp): DCP
   rank j holds the classes j, j+dcp, ..., so engines at DCP1 and DCP2 with one
-  T (and equal ``block_size * dcp``, which fixes vLLM's block hash) name the
-  same tokens alike. T and I are in the fingerprint, the DCP size is not.
+  T name the same tokens alike (``block_size * dcp`` must be a multiple of T*I,
+  so a class is the same offsets of every block and of the chunk). T and I are
+  in the fingerprint, the DCP size is not.
 * pcp_rank is 0 for attention groups: vLLM's PCP ranks hold replicas of the
   KV cache (each gathers the KV its PCP peers computed and writes all of it;
   block tables and slot mappings split tokens by DCP only), so PCP ranks join

@@ -26,7 +26,9 @@ class ConnectorSettings:
     """How the connector behaves; every field has a default that works after `kvpool up`."""
 
     chunk_size: int = documented(
-        0, "Tokens per pool object, a multiple of the block size; 0 = one block."
+        0,
+        "Tokens per pool object, a multiple of the block size (x DCP); 0 = one block. "
+        "Engines share objects at equal chunk and block sizes (x DCP).",
     )
     layer_bands: tuple[int, ...] = documented(
         (),
@@ -43,8 +45,8 @@ class ConnectorSettings:
     token_classes: int = documented(
         0,
         "Token classes per block under DCP (a multiple of the DCP size; 0 = the DCP "
-        "size): engines at different DCP sizes share objects when it is equal and so "
-        "is block_size x DCP (vLLM's block hash).",
+        "size): engines at different DCP sizes share objects when it and block_size x "
+        "DCP are equal.",
     )
     lookup_timeout_ms: float = documented(
         50.0, "Deadline of one scheduler-side lookup; past it the request misses."

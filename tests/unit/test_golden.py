@@ -1,26 +1,27 @@
-"""Golden samples of what the pool stores: a key, a config fingerprint and an object
-header for one fixed config. A change to any of them turns every object in every
-pool into a miss: if one of these fails, the change must be a decision (bump
-``SCHEMA_VERSION`` or ``OBJECT_FORMAT`` and say why in the commit), never an
-accident of a refactoring."""
+"""Golden samples of what the pool stores: a key, a config fingerprint, an object
+header and the chunk hashes of fixed tokens for one fixed config. A change to any
+of them turns every object in every pool into a miss: if one of these fails, the
+change must be a decision (bump ``SCHEMA_VERSION``, ``OBJECT_FORMAT`` or
+``CHUNK_HASH`` and say why in the commit), never an accident of a refactoring."""
 
 from __future__ import annotations
 
 from kvpool import header
+from kvpool.chunkhash import ChunkChain
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupKind, GroupSpec, Layout
 
-FINGERPRINT = "b1706ed7e04cf038"
+FINGERPRINT = "1ba618a17fef88a1"
 KEY = (
-    "kvpool/3/meta-llama/Llama-3.1-8B/b1706ed7e04cf038/g0.h5.d0.c0.b0/"
+    "kvpool/4/meta-llama/Llama-3.1-8B/1ba618a17fef88a1/g0.h5.d0.c0.b0/"
     "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
 )
 HEADER_WITH_CHECKSUM = (
-    "4b56504c02000100b1706ed7e04cf03824cbc6b57906b5850000400000000000"
+    "4b56504c020001001ba618a17fef88a14b3d53e3132b9b5b0000400000000000"
     "efcdab8967452301000000000000000000000000000000000000000000000000"
 )
 HEADER_WITHOUT_CHECKSUM = (
-    "4b56504c02000000b1706ed7e04cf03824cbc6b57906b5850000400000000000"
+    "4b56504c020000001ba618a17fef88a14b3d53e3132b9b5b0000400000000000"
     "0000000000000000000000000000000000000000000000000000000000000000"
 )
 
@@ -37,9 +38,7 @@ def _space() -> tuple[Layout, KeySpace]:
         chunk_size=32,
         head_size=128,
         num_layers=32,
-        hash_algo="sha256",
-        hash_seed="",
-        extra={"block_size": 32, "device": "cpu"},
+        extra={"device": "cpu"},
     )
     return layout, space
 
@@ -64,3 +63,17 @@ def test_the_stored_header_still_reads() -> None:
     assert got.payload_len == 4 << 20
     assert got.checksum == 0x0123456789ABCDEF
     assert header.check(got, header.fingerprint_bytes(FINGERPRINT), KEY, 4 << 20, None) is None
+
+
+CHUNK_HASHES = [
+    "7a8d431ac05dafd23dc76f184f7d6c8232748f49e09004b3b2757b1efa886835",
+    "2370eeb3b0a7daf14de7817d9e97c5716ccd2195aab1e31eb4312958f3e02342",
+]
+
+
+def test_the_chunk_hashes_of_fixed_tokens() -> None:
+    """Chunks named otherwise are other keys: a change here needs a new ``keys.CHUNK_HASH``."""
+    chain = ChunkChain(4)
+    lora = ("lora", "x", "/p")
+    got = chain.advance(list(range(10)), 10, lambda a, b: lora if a == 0 else None)
+    assert [h.hex() for h in got] == CHUNK_HASHES

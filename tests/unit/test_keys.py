@@ -47,7 +47,7 @@ def test_format_parse_round_trip(model: str, content: ContentId, h: bytes) -> No
 def test_key_is_human_readable() -> None:
     space = make_space()
     key = space.key(ContentId(1, 0, 0, 2, 0), bytes.fromhex("ab01"))
-    assert key == f"kvpool/3/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.b2/ab01"
+    assert key == f"kvpool/4/meta-llama/Llama-3.1-8B/{space.fingerprint}/g0.h1.d0.c0.b2/ab01"
 
 
 def test_full_model_name_not_last_component() -> None:
@@ -63,8 +63,6 @@ def test_full_model_name_not_last_component() -> None:
         {"chunk_size": 64},
         {"head_size": 64},
         {"num_layers": 31},
-        {"hash_algo": "sha256_cbor"},
-        {"hash_seed": "42"},
         {"extra": {"revision": "abc"}},
         {"layout": Layout.create(tp=2, groups=["gqa:4"])},
         {"layout": Layout.create(tp=4, dcp=2, groups=["gqa:2"])},
@@ -78,6 +76,13 @@ def test_every_byte_changing_field_changes_the_fingerprint(change: dict[str, Any
 def test_the_tp_size_does_not_change_the_fingerprint() -> None:
     """Shards are named by global KV head, so TP1 and TP2 engines share keys."""
     assert make_space(layout=Layout.create(tp=1, groups=["gqa:2"])) == make_space()
+
+
+def test_the_chunk_hash_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another way of naming chunks is another key space, never a mix of two."""
+    before = make_space().fingerprint
+    monkeypatch.setattr(keys, "CHUNK_HASH", keys.CHUNK_HASH + "x")
+    assert make_space().fingerprint != before
 
 
 def test_the_object_format_changes_the_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:

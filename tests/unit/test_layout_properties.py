@@ -340,8 +340,6 @@ def test_different_contents_and_configs_never_share_a_key(
         {"chunk_size": 64},
         {"head_size": 64},
         {"num_layers": layout.layers + 1},
-        {"hash_seed": "1"},
-        {"hash_algo": "xxhash"},
         {"model": "org2/model"},
     ):
         other = build_plan(layout, space_for(layout, **change), chunks)

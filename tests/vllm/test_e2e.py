@@ -307,6 +307,43 @@ def test_token_classes_cut_each_block_into_strided_objects_that_load_back_exactl
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
 
 
+def test_engines_with_other_hash_settings_share_and_other_block_sizes_never_alias(
+    tiny_model: Path,
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kvpool names a chunk by its own hash chain over the tokens, not by vLLM's
+    block hashes (whose values depend on the hash algorithm and, for xxhash, a
+    per-process seed, and which vLLM computes only with prefix caching on). An
+    engine saves 64-token chunks of two blocks; one with xxhash and no
+    PYTHONHASHSEED, and one with vLLM's prefix caching off, load every full chunk
+    and answer exactly like an engine without kvpool. An engine at block size 64
+    names the chunks alike, but vLLM's CPU kernel lays a block's K out by block
+    (head_size-major), so the fingerprint keeps it apart: no hit, and answers like
+    the others (read across, its KV was wrong: greedy tokens changed)."""
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    extra = {"pool_file": pool_file, "chunk_size": 2 * BLOCK}
+    base = run_engine(spec(tiny_model, "none"))
+    run_engine(spec(tiny_model, "kvpool", extra=extra))
+    keys, chunks = pool_objects(local_pool, prompts(), chunk=2 * BLOCK)
+    assert len(keys) == TINY_KV_HEADS * chunks and chunks == 4
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash: random per process
+    fast = run_engine(spec(tiny_model, "kvpool", extra=extra, hash_algo="xxhash"))
+    assert_same_outputs(fast, base)
+    assert [r["cached_tokens"] for r in fast["results"]] == [256, 256, 256]
+    uncached = run_engine(spec(tiny_model, "kvpool", extra=extra, prefix_caching=False))
+    assert_same_outputs(uncached, base)
+    assert [r["cached_tokens"] for r in uncached["results"]] == [256, 256, 256]
+    wide = run_engine(spec(tiny_model, "kvpool", extra=extra, block_size=2 * BLOCK))
+    assert wide["results"][0]["cached_tokens"] == 0
+    assert [r["tokens"] for r in wide["results"]] == [r["tokens"] for r in base["results"]]
+    for r, r0 in zip(wide["results"], base["results"], strict=True):
+        assert r["logprobs"] == pytest.approx(r0["logprobs"], abs=1e-4)
+
+
 def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

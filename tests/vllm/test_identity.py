@@ -172,20 +172,60 @@ def test_under_dcp_a_chunk_counts_the_tokens_of_vllms_scheduler_block(base: Any)
 
 
 def test_dcp1_and_dcp2_engines_on_one_token_grid_share_a_fingerprint(base: Any) -> None:
-    """DCP2 at block size 16 hashes 32-token entries like DCP1 at 32: on one grid of
-    2 token classes their fingerprints are equal (they share objects); on the
-    default grids (one class per DCP rank) they differ."""
-    dcp2 = copy.deepcopy(base)
-    dcp2.parallel_config.tensor_parallel_size = 4  # 2 KV heads: 2 ranks share each
-    dcp2.parallel_config.decode_context_parallel_size = 2
-    dcp2.cache_config.block_size = BLOCK // 2
-    kv2 = _kv_config(dcp2)
-    for g in kv2.kv_cache_groups:
-        g.kv_cache_spec = dataclasses.replace(g.kv_cache_spec, block_size=BLOCK // 2)
-    one, two = engine_identity(base, _kv_config(base)), engine_identity(dcp2, kv2)
-    assert one.chunk_size == two.chunk_size == BLOCK
+    """DCP2 at block size 32 has block-table entries of 64 tokens like DCP1 at 64:
+    on one grid of 2 token classes their fingerprints are equal (they share
+    objects); on the default grids (one class per DCP rank) they differ. (Not
+    block 16 beside 32: vLLM's CPU kernel runs another ISA, "vec16", at 16.)"""
+    one, two = _engine(base, block=2 * BLOCK), _engine(base, block=BLOCK, dcp=2, tp=4)
+    assert one.chunk_size == two.chunk_size == 2 * BLOCK
     assert one.space.fingerprint != two.space.fingerprint
-    one = engine_identity(base, _kv_config(base), token_classes=2)
-    two = engine_identity(dcp2, kv2, token_classes=2)
+    one = _engine(base, block=2 * BLOCK, token_classes=2)
+    two = _engine(base, block=BLOCK, dcp=2, tp=4, token_classes=2)  # 2 KV heads: 2 ranks each
     assert one.space.fingerprint == two.space.fingerprint
     assert set(one.layout.contents(0)) == set(two.layout.contents(0))
+
+
+def _engine(base: Any, *, block: int, dcp: int = 1, tp: int = 1, **settings: Any) -> Any:
+    config = copy.deepcopy(base)
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.decode_context_parallel_size = dcp
+    config.cache_config.block_size = block
+    kv = _kv_config(config)
+    for g in kv.kv_cache_groups:
+        g.kv_cache_spec = dataclasses.replace(g.kv_cache_spec, block_size=block)
+    return engine_identity(config, kv, **settings)
+
+
+def test_the_block_size_and_the_cpu_kernels_isa_are_in_the_fingerprint(
+    base: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object holds whole blocks in the attention kernel's byte order. vLLM's CPU
+    kernel stores a block's K head_size-major, so block sizes 32 and 64 lay out one
+    chunk's bytes differently even though kvpool names the chunk alike; and its
+    ISA changes the order too (AMX packs K and V in pairs): a bf16 engine on a
+    host with AMX and one without must not share. DCP1 at block 64 and DCP2 at
+    32 have one block-table entry of 64 tokens and stay alike."""
+    at = {b: _engine(base, block=b, chunk_size=2 * BLOCK).space for b in (BLOCK, 2 * BLOCK)}
+    assert at[BLOCK].fingerprint != at[2 * BLOCK].fingerprint
+    assert at[BLOCK].config["extra"]["kv_layout"] == "cpu/vec"
+    dcp2 = _engine(base, block=BLOCK, dcp=2, tp=4, token_classes=2)
+    dcp1 = _engine(base, block=2 * BLOCK, token_classes=2)
+    assert dcp1.space.fingerprint == dcp2.space.fingerprint
+    bf16, fp32 = copy.deepcopy(base), copy.deepcopy(base)
+    bf16.model_config.dtype = torch.bfloat16
+    fp32.model_config.dtype = torch.float32
+    before = _fingerprint(bf16), _fingerprint(fp32)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert _fingerprint(bf16) != before[0]
+    assert _fingerprint(fp32) == before[1]  # fp32 runs "vec" on AMX hosts too
+
+
+def test_vllms_hash_settings_leave_the_fingerprint_alone(
+    base: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """xxhash without PYTHONHASHSEED (random per process in vLLM) is fine: kvpool
+    names chunks itself."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    fast = copy.deepcopy(base)
+    fast.cache_config.prefix_caching_hash_algo = "xxhash"
+    assert _fingerprint(fast) == _fingerprint(base)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvpool.chunkhash import ChunkChain
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings, parse_extra
@@ -20,16 +21,24 @@ B = 32
 
 @dataclass
 class FakeRequest:
+    """What the scheduler and vLLM's ``generate_block_hash_extra_keys`` read."""
+
     request_id: str
     num_tokens: int
     num_prompt_tokens: int
-    block_hashes: list[bytes] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
+    mm_features: list[Any] = field(default_factory=list)
+    lora_request: Any = None
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
 
     @classmethod
     def make(cls, rid: str, tokens: int) -> FakeRequest:
-        hashes = [bytes([i]) * 8 for i in range(tokens // B)]
-        return cls(rid, tokens, tokens, hashes, [1000 + t for t in range(tokens)])
+        return cls(rid, tokens, tokens, [1000 + t for t in range(tokens)])
+
+    def names(self, chunk: int = B) -> list[bytes]:
+        """Its chunk hashes, as kvpool's chain names them."""
+        return ChunkChain(chunk).advance(self.all_token_ids, self.num_tokens)
 
 
 class FakeLookup:
@@ -61,9 +70,9 @@ class FakeManager:
         return self.tables[req_id]
 
 
-def identity(tp: int = 1, blocks_per_chunk: int = 1) -> EngineIdentity:
+def identity(tp: int = 1, blocks_per_chunk: int = 1, block: int = B) -> EngineIdentity:
     layout = Layout.create(tp=tp, groups=["gqa:2"])
-    chunk = B * blocks_per_chunk
+    chunk = block * blocks_per_chunk
     space = KeySpace.create(
         model="m",
         layout=layout,
@@ -73,14 +82,19 @@ def identity(tp: int = 1, blocks_per_chunk: int = 1) -> EngineIdentity:
         head_size=32,
         num_layers=2,
     )
-    return EngineIdentity(layout, space, B, chunk, 0)
+    return EngineIdentity(layout, space, block, chunk, 0)
 
 
 def side(
-    hit: int, tp: int = 1, events: bool = False, blocks_per_chunk: int = 1, **settings: Any
+    hit: int,
+    tp: int = 1,
+    events: bool = False,
+    blocks_per_chunk: int = 1,
+    block: int = B,
+    **settings: Any,
 ) -> tuple[SchedulerSide, FakeLookup, FakeManager]:
     lookup, manager = FakeLookup(hit), FakeManager()
-    ident = identity(tp, blocks_per_chunk)
+    ident = identity(tp, blocks_per_chunk, block)
     s = SchedulerSide(ident, ConnectorSettings(**settings), lookup, manager, events)
     return s, lookup, manager
 
@@ -105,7 +119,7 @@ def test_partial_hit_loads_only_what_the_local_cache_lacks() -> None:
     meta = s.build_meta(step([], {}))
     (load,) = meta.loads
     assert [c.chunk for c in load.chunks] == [2, 3, 4]
-    assert load.chunks[0].block_ids == ((102,),) and load.chunks[0].chunk_hash == bytes([2]) * 8
+    assert load.chunks[0].block_ids == ((102,),) and load.chunks[0].chunk_hash == req.names()[2]
     assert meta.saves == []
 
 
@@ -144,7 +158,7 @@ def test_prefill_saves_each_completed_chunk_once_and_never_with_a_load() -> None
 def test_failed_load_suppresses_chunks_so_lookups_do_not_loop() -> None:
     s, lookup, _ = side(hit=8 * B, failed_key_ttl_s=60)
     req = FakeRequest.make("r", 8 * B + 3)
-    s.worker_output(KVPoolWorkerMetadata({req.block_hashes[3]}))
+    s.worker_output(KVPoolWorkerMetadata({req.names()[3]}))
     assert s.matched_tokens(req, 0) == (3 * B, True)
     assert len(lookup.calls[-1]) == 3  # the lookup stops before the failed chunk
 
@@ -159,7 +173,7 @@ def test_suppression_expires_in_order_and_is_capped(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(scheduler, "_MAX_SUPPRESSED", 3)
     s, lookup, _ = side(hit=8 * B, failed_key_ttl_s=60)
     req = FakeRequest.make("r", 8 * B + 3)
-    h = req.block_hashes
+    h = req.names()
     s.worker_output(KVPoolWorkerMetadata({h[5]}))
     clock[0] += 30
     s.worker_output(KVPoolWorkerMetadata({h[2]}))
@@ -217,7 +231,7 @@ def test_a_chunk_is_a_stored_event_once_every_rank_stored_its_objects() -> None:
     manager.tables["r"] = (list(range(4)),)
     meta = s.build_meta(step([("r", 0)], {"r": 3 * B + 7}))
     assert [c.chunk for c in meta.saves[0].chunks] == [0, 1, 2]
-    h = req.block_hashes
+    h = req.names()
     # One rank reports chunks 0 and 1; the other rank only chunk 0 so far.
     first = KVPoolWorkerMetadata(stored={h[0]: 1, h[1]: 1}, fresh={h[0], h[1]})
     merged = first.aggregate(KVPoolWorkerMetadata(stored={h[0]: 1}))
@@ -252,24 +266,22 @@ def test_no_events_unless_vllm_asks_for_them() -> None:
     s.after_alloc(req, 0)
     manager.tables["r"] = (list(range(2)),)
     s.build_meta(step([("r", 0)], {"r": 2 * B}))
-    s.worker_output(
-        KVPoolWorkerMetadata(stored={req.block_hashes[0]: 1}, fresh={req.block_hashes[0]})
-    )
+    s.worker_output(KVPoolWorkerMetadata(stored={req.names()[0]: 1}, fresh={req.names()[0]}))
     assert s.take_events() == []
 
 
-def test_a_chunk_of_several_blocks_is_named_by_its_last_block_hash() -> None:
+def test_a_chunk_of_several_blocks_has_one_name_over_its_tokens() -> None:
     s, lookup, manager = side(hit=0, blocks_per_chunk=2)
     lookup.hit = 10**9  # FakeLookup counts hits in blocks of B; cap it below
     req = FakeRequest.make("r", 7 * B + 5)  # 7 full blocks: 3 full chunks of 2 blocks
-    h = req.block_hashes
+    h = req.names(2 * B)
     need, _ = s.matched_tokens(req, 0)
-    assert lookup.calls[-1] == [h[1], h[3], h[5]]
+    assert lookup.calls[-1] == h
     assert need == 2 * B  # FakeLookup answers len(hashes) * B tokens: 1.5 chunks -> 1
     s.after_alloc(req, need)
     manager.tables["r"] = (list(range(100, 108)),)
     (load,) = s.build_meta(step([], {})).loads
-    assert [(c.chunk, c.chunk_hash, c.block_ids) for c in load.chunks] == [(0, h[1], ((100, 101),))]
+    assert [(c.chunk, c.chunk_hash, c.block_ids) for c in load.chunks] == [(0, h[0], ((100, 101),))]
     # Not aligned to a chunk (local cache has 3 blocks): nothing to load.
     assert s.matched_tokens(FakeRequest.make("q", 7 * B + 5), 3 * B) == (0, False)
     s2, _, manager2 = side(hit=0, blocks_per_chunk=2)
@@ -278,10 +290,7 @@ def test_a_chunk_of_several_blocks_is_named_by_its_last_block_hash() -> None:
     s2.after_alloc(req2, 0)
     manager2.tables["w"] = (list(range(5)),)
     (save,) = s2.build_meta(step([("w", 0)], {"w": 5 * B})).saves
-    assert [(c.chunk, c.chunk_hash) for c in save.chunks] == [
-        (0, req2.block_hashes[1]),
-        (1, req2.block_hashes[3]),
-    ]
+    assert [(c.chunk, c.chunk_hash) for c in save.chunks] == list(enumerate(req2.names(2 * B)))
 
 
 def test_a_step_with_no_tokens_scheduled_is_idle() -> None:
@@ -322,12 +331,42 @@ def test_refusals_from_several_workers_keep_the_first_chunk() -> None:
     assert isinstance(merged, KVPoolWorkerMetadata) and merged.refused == {"r": 2, "q": 1}
 
 
-def test_block_hashes_random_per_process_are_refused() -> None:
-    from kvpool.vllm.identity import UnsupportedEngine, check_shared_hashes
+def test_engines_with_other_block_sizes_name_a_chunk_alike() -> None:
+    """kvpool's own chain, not vLLM's block hashes (whose granularity is the block
+    size, and under DCP block size x DCP): an engine at block 32 with chunks of
+    two blocks and one at block 64 look up and save the same names. (Whether
+    their bytes agree is the fingerprint's matter: on the CPU kernel they do not.)"""
+    names = []
+    for block, per in ((B, 2), (2 * B, 1)):
+        s, lookup, manager = side(hit=0, blocks_per_chunk=per, block=block)
+        req = FakeRequest.make("r", 6 * B + 3)
+        s.matched_tokens(req, 0)
+        s.after_alloc(req, 0)
+        manager.tables["r"] = (list(range(6 // per)),)
+        (save,) = s.build_meta(step([("r", 0)], {"r": 6 * B + 3})).saves
+        names.append((lookup.calls[-1], [c.chunk_hash for c in save.chunks]))
+    assert names[0] == names[1] and len(names[0][0]) == 3
 
-    for algo in ("xxhash", "xxhash_cbor"):
-        with pytest.raises(UnsupportedEngine, match="PYTHONHASHSEED"):
-            check_shared_hashes(algo, env={})
-        check_shared_hashes(algo, env={"PYTHONHASHSEED": "0"})  # one seed everywhere
-    for algo in ("sha256", "sha256_cbor"):  # vLLM seeds these with a fixed default
-        check_shared_hashes(algo, env={})
+
+def test_lora_and_cache_salt_give_other_names() -> None:
+    s, lookup, _ = side(hit=0)
+    plain = FakeRequest.make("a", 4 * B)
+    salted = FakeRequest.make("b", 4 * B)
+    salted.cache_salt = "tenant-1"
+    lora = FakeRequest.make("c", 4 * B)
+    lora.lora_request = SimpleNamespace(lora_name="l", lora_path="/adapters/l")
+    for r in (plain, salted, lora):
+        s.matched_tokens(r, 0)
+    a, b, c = lookup.calls
+    assert len(a) == len(b) == len(c) == 4
+    assert all(x != y and x != z and y != z for x, y, z in zip(a, b, c, strict=True))
+
+
+def test_a_request_whose_extras_cannot_be_hashed_is_never_pooled() -> None:
+    s, lookup, manager = side(hit=4 * B)
+    req = FakeRequest.make("r", 4 * B)
+    req.lora_request = SimpleNamespace(lora_name="l", lora_path=1.5)  # no canonical bytes
+    assert s.matched_tokens(req, 0) == (0, False) and lookup.calls == []
+    s.after_alloc(req, 0)
+    manager.tables["r"] = (list(range(4)),)
+    assert s.build_meta(step([("r", 0)], {"r": 4 * B})).saves == []

@@ -111,6 +111,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         tensor_parallel_size=spec.get("tp", 1),
         pipeline_parallel_size=spec.get("pp", 1),
         enable_prefix_caching=spec.get("prefix_caching", True),
+        prefix_caching_hash_algo=spec.get("hash_algo", "sha256"),
         disable_log_stats=False,  # per-request metrics: time to first token
     )
     startup = time.perf_counter() - t0

@@ -9,8 +9,6 @@
                          quantisation, cache dtypes), for the fingerprint
     worker_rank(layout)  this worker's rank in the layout, from vLLM's process
                          groups (TP, PP, PCP, DCP); checks the group construction
-    check_shared_hashes(algo, env)  UnsupportedEngine if block hashes are random
-                         per process (xxhash without PYTHONHASHSEED)
 
 The scheduler and every worker call ``engine_identity`` on the same config and
 so agree on every key. DP identity is ``parallel_config.data_parallel_index``
@@ -21,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,23 +88,6 @@ def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
     )
 
 
-# vLLM's non-cryptographic block hashes: without PYTHONHASHSEED, vLLM seeds them
-# with random bytes per process (kv_cache_utils.resolve_none_hash_seed).
-_PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
-
-
-def check_shared_hashes(hash_algo: str, env: Any = None) -> None:
-    """``UnsupportedEngine`` when this engine's block hashes are random per
-    process: no other engine could ever hit what it saves."""
-    env = os.environ if env is None else env
-    if hash_algo in _PER_PROCESS_HASHES and env.get("PYTHONHASHSEED") is None:
-        raise UnsupportedEngine(
-            f"prefix_caching_hash_algo={hash_algo} without PYTHONHASHSEED: vLLM seeds its "
-            "block hashes with random bytes per process, so no other engine could hit what "
-            "this one saves; set PYTHONHASHSEED to one value on every engine, or use sha256"
-        )
-
-
 def engine_identity(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -127,7 +107,6 @@ def engine_identity(
     groups = [_group_spec(g.kv_cache_spec, total_heads) for g in kv_cache_config.kv_cache_groups]
     if not groups:
         raise UnsupportedEngine("the model has no KV cache groups")
-    check_shared_hashes(str(getattr(cache, "prefix_caching_hash_algo", "sha256")))
     device = _device_type()
     if device != "cpu":  # the copies are host memmoves (the worker refuses such tensors too)
         raise UnsupportedEngine(f"KV caches on {device}: kvpool moves host memory only so far")
@@ -190,11 +169,44 @@ def engine_identity(
         chunk_size=chunk,
         head_size=int(model.get_head_size()),
         num_layers=layers,
-        hash_algo=str(getattr(cache, "prefix_caching_hash_algo", "sha256")),
-        hash_seed=os.environ.get("PYTHONHASHSEED", ""),
-        extra={"block_size": block_size, "device": device, **byte_fields(model, cache)},
+        extra={
+            # An object holds whole blocks in the kernel's byte order (the CPU kernel
+            # stores K head_size-major per block), so engines at other block sizes
+            # (x DCP) cannot share its bytes, though they name chunks alike.
+            "block_size": block_size,
+            "device": device,
+            "kv_layout": _kv_layout(vllm_config, kv_cache_config, device),
+            **byte_fields(model, cache),
+        },
     )
     return EngineIdentity(layout, space, block_size, chunk, layout.dp_index)
+
+
+def _kv_layout(vllm_config: Any, kv_cache_config: Any, device: str) -> str:
+    """How the attention kernel lays out a block's bytes, where the sizes and
+    dtypes leave it open. vLLM's CPU kernel picks an ISA per KV group (its
+    ``_get_attn_isa``): "vec" stores each block's K head_size-major, "amx" packs
+    K and V in pairs, so a bf16 engine on a host with AMX and one without write
+    the same KV in different byte orders and must never share objects."""
+    if device != "cpu":
+        return device
+    cache = vllm_config.cache_config
+    dtype = vllm_config.model_config.dtype
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # pragma: no cover - another vLLM: name the host's features
+        import torch
+
+        return f"cpu/amx={torch.cpu._is_amx_tile_supported()}"
+    isas = []
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        head = getattr(spec, "head_size", None)
+        try:
+            isas.append(_get_attn_isa(dtype, int(spec.block_size), head, cache.cache_dtype))
+        except NotImplementedError as exc:  # vLLM refuses the engine too
+            raise UnsupportedEngine(f"vLLM's CPU attention: {exc}") from None
+    return "cpu/" + ",".join(isas)
 
 
 # hf_config keys that never change KV bytes: the path (``model`` is fingerprinted),

@@ -19,9 +19,13 @@
         becomes a ``BlockStored`` event
     SchedulerSide.take_events()  the KV events since the last call
 
-Block ids come from vLLM's KV cache manager at the step they are used (never
-from a mirror of the block tables). The lookup itself is the lookup service
-(``kvpool.lookup``), served in this process with a deadline on every call.
+Chunks are named by kvpool's own hash chain (``kvpool.chunkhash``) over each
+request's tokens and vLLM's extra keys for them, kept per request and extended as
+tokens arrive; never by vLLM's block hashes (their values depend on vLLM's hash
+settings and exist only with prefix caching on). Block ids come from vLLM's KV
+cache manager at the step they are used (never from a mirror of the block
+tables). The lookup itself is the lookup service (``kvpool.lookup``), served in
+this process with a deadline on every call.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+from kvpool.chunkhash import ChunkChain
 from kvpool.settings import ConnectorSettings
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
@@ -81,6 +88,7 @@ class SchedulerSide:
         # chunk hash -> until (monotonic), oldest first; at most _MAX_SUPPRESSED
         self._suppressed: OrderedDict[bytes, float] = OrderedDict()
         self._async_started: set[str] = set()
+        self._chains: dict[str, ChunkChain] = {}  # req -> its chunk hashes so far
         self.lookups = 0
         self.hit_tokens = 0
         self.events = events
@@ -93,22 +101,40 @@ class SchedulerSide:
 
     # -- lookups ---------------------------------------------------------------
 
+    def _chain(self, request: Any) -> list[bytes]:
+        """The hashes of the request's full chunks so far (``kvpool.chunkhash``:
+        kvpool's own chain, not vLLM's block hashes, so engines with other block
+        sizes, DCP sizes or hash settings name a chunk alike)."""
+        req_id = request.request_id
+        chain = self._chains.get(req_id)
+        if chain is None:
+            chain = self._chains[req_id] = ChunkChain(self.identity.chunk_size)
+        fresh = chain.broken is None
+        hashes = chain.advance(  # returns at once once the chain stopped
+            request.all_token_ids,
+            request.num_tokens,
+            lambda a, b: generate_block_hash_extra_keys(request, a, b, 0)[0],
+        )
+        if fresh and chain.broken is not None:
+            logger.warning(
+                "kvpool: request %s is not pooled past token %d: %s",
+                req_id,
+                len(hashes) * chain.chunk_size,
+                chain.broken,
+            )
+        return chain.hashes
+
     def _chunk_hash(self, request: Any, k: int) -> bytes:
-        """Chunk ``k``'s name: its last block's hash, which covers the whole prefix."""
-        return bytes(request.block_hashes[(k + 1) * self.identity.blocks_per_chunk - 1])
+        """Chunk ``k``'s name, which covers the whole prefix up to its end."""
+        return self._chain(request)[k]
 
     def _hashed_chunks(self, request: Any) -> int:
-        """Chunks whose every block vLLM has hashed so far."""
-        return len(request.block_hashes) // self.identity.blocks_per_chunk
+        """Chunks whose every token is known (and hashed) so far."""
+        return len(self._chain(request))
 
     def _hashes(self, request: Any) -> list[bytes]:
         """Chunk hashes of the request's known tokens, cut at the first suppressed one."""
-        n = min(request.num_tokens // self.identity.chunk_size, self._hashed_chunks(request))
-        per = self.identity.blocks_per_chunk
-        # One slice, not a call per chunk: a 128k-token prompt has 8k chunks.
-        hashes: list[bytes] = list(request.block_hashes[per - 1 : n * per : per])
-        if hashes and type(hashes[0]) is not bytes:
-            hashes = [bytes(h) for h in hashes]
+        hashes = list(self._chain(request))
         if self._suppressed:
             now = time.monotonic()
             while self._suppressed and next(iter(self._suppressed.values())) <= now:
@@ -257,6 +283,7 @@ class SchedulerSide:
 
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
+        self._chains.pop(req_id, None)
         self._planned.pop(req_id, None)
         if req_id in self._async_started:
             self._async_started.discard(req_id)

@@ -73,9 +73,12 @@ _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
 
 def _token_class(name: str, t: torch.Tensor, n: int, k: int, step: int) -> torch.Tensor:
     """The rows of every block of ``t`` in token class ``k`` of ``n`` (runs of
-    ``step`` tokens, ``Layout.local_tokens``): the token axis of vLLM's
-    ``[blocks, heads, tokens, content]`` (MLA: ``[blocks, tokens, latent]``) viewed
-    as ``[-1, n, step]``, index ``k`` of the middle axis; a view, no copy."""
+    ``step`` tokens, ``Layout.local_tokens``): the third axis of vLLM's
+    ``[blocks, heads, block_size, 2 * head_size]`` (MLA: ``[blocks, tokens, latent]``) viewed
+    as ``[-1, n, step]``, index ``k`` of the middle axis; a view, no copy. On a
+    token-major layout (DCP's GPU kernels) these rows are tokens; vLLM's CPU kernel
+    stores a block's K head_size-major, so there a class is a fixed set of its rows
+    (it round-trips; the CPU build runs no DCP)."""
     dim = 2 if t.dim() == 4 else 1
     if t.dim() not in (3, 4) or t.shape[dim] % (n * step):
         raise UnsupportedEngine(
@@ -191,10 +194,10 @@ class WorkerSide:
 
     def _shard_views(self) -> list[list[tuple[str, torch.Tensor]]]:
         """The tensors of each shard this rank holds: its KV head's slice (vLLM's
-        per-layer views are ``[blocks, heads, tokens, content]``; the whole tensors
-        when the rank holds one head of a group) of the layers of its layer band
-        (all local layers when the rank holds one band). Fills ``_shards`` with the
-        engine group index of each."""
+        per-layer views are ``[blocks, heads, block_size, 2 * head_size]``; the whole
+        tensors when the rank holds one head of a group) of the layers of its layer
+        band (all local layers when the rank holds one band), cut into its token
+        class. Fills ``_shards`` with the engine group index of each."""
         layout = self.identity.layout
         views: list[list[tuple[str, torch.Tensor]]] = []
         self._shards = {}
@@ -209,7 +212,7 @@ class WorkerSide:
                     if t.dim() != 4 or t.shape[1] != heads:
                         raise UnsupportedEngine(
                             f"KV tensor {name} has shape {tuple(t.shape)}, not vLLM's "
-                            f"[blocks, heads, tokens, content] with this rank's {heads} "
+                            f"[blocks, heads, block_size, 2 * head_size] with this rank's {heads} "
                             "KV heads; kvpool cannot name its heads"
                         )
             banded = len({c.band for c in held}) > 1

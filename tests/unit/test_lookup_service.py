@@ -283,7 +283,9 @@ def test_objects_of_the_old_schema_are_misses_not_errors(service: Service) -> No
     """Schema 1 named objects by rank slot (h<slot>) under a fingerprint holding tp;
     schema 2 one object per head and PP stage (``.p<pp_rank>``). A pool still
     holding them answers a miss for the same prompt, with no error: the new keys
-    (schema 3, ``.b<band>``) are other keys, so an old object is never read."""
+    are other keys, so an old object is never read. Schema 3 had today's content
+    names but chunks named by vLLM's block hashes: its keys under the same hash
+    (and fingerprint) are misses too."""
     from kvpool.keys import SCHEMA_VERSION, ParsedKey
 
     layout = Layout.create(tp=2, groups=["gqa:4"])
@@ -297,6 +299,8 @@ def test_objects_of_the_old_schema_are_misses_not_errors(service: Service) -> No
            for h in hashes for slot in range(2)]  # fmt: skip
     prefix = space.prefix.replace(f"kvpool/{SCHEMA_VERSION}/", "kvpool/2/")
     old += [f"{prefix}g0.h{head}.d0.c0.p0/{h.hex()}" for h in hashes for head in range(4)]
+    now = [space.key(c, h) for h in hashes for c in layout.contents(0)]
+    old += [k.replace(f"kvpool/{SCHEMA_VERSION}/", "kvpool/3/", 1) for k in now]
     put(store, old)
     assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
     assert client.stats.misses == {}  # a plain miss: no error, no timeout

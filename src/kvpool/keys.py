@@ -32,9 +32,8 @@ many KV heads a shard holds) is in it. Nor are vLLM's hash settings: a chunk
 is named by kvpool's own hash chain over its tokens (``chunkhash``), whose name
 and the chunk size are in it. (The vLLM identity adds the block size and the
 attention kernel's layout: an object holds whole blocks in the kernel's byte
-order.) Schemas 1 (rank
-slots), 2 (one object per PP stage) and 3 (chunks named by vLLM's block hashes)
-are never probed (a miss), so old pools are harmless.
+order.) Schemas 1 (rank slots), 2 (one object per PP stage) and 3 (chunks named
+by vLLM's block hashes) are never probed (a miss), so old pools are harmless.
 """
 
 from __future__ import annotations

@@ -175,21 +175,20 @@ def engine_identity(
             # (x DCP) cannot share its bytes, though they name chunks alike.
             "block_size": block_size,
             "device": device,
-            "kv_layout": _kv_layout(vllm_config, kv_cache_config, device),
+            "kv_layout": _kv_layout(vllm_config, kv_cache_config),
             **byte_fields(model, cache),
         },
     )
     return EngineIdentity(layout, space, block_size, chunk, layout.dp_index)
 
 
-def _kv_layout(vllm_config: Any, kv_cache_config: Any, device: str) -> str:
+def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
     """How the attention kernel lays out a block's bytes, where the sizes and
     dtypes leave it open. vLLM's CPU kernel picks an ISA per KV group (its
     ``_get_attn_isa``): "vec" stores each block's K head_size-major, "amx" packs
     K and V in pairs, so a bf16 engine on a host with AMX and one without write
-    the same KV in different byte orders and must never share objects."""
-    if device != "cpu":
-        return device
+    the same KV in different byte orders and must never share objects. (Only
+    host KV caches are pooled: ``engine_identity`` refuses the others first.)"""
     cache = vllm_config.cache_config
     dtype = vllm_config.model_config.dtype
     try:

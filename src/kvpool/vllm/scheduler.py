@@ -124,10 +124,6 @@ class SchedulerSide:
             )
         return chain.hashes
 
-    def _chunk_hash(self, request: Any, k: int) -> bytes:
-        """Chunk ``k``'s name, which covers the whole prefix up to its end."""
-        return self._chain(request)[k]
-
     def _hashed_chunks(self, request: Any) -> int:
         """Chunks whose every token is known (and hashed) so far."""
         return len(self._chain(request))
@@ -223,10 +219,11 @@ class SchedulerSide:
     def _chunk_ops(self, state: _Request, a: int, b: int) -> tuple[ChunkOp, ...]:
         ids = self.kv_cache_manager.get_block_ids(state.request.request_id)
         m = self.identity.blocks_per_chunk
+        names = self._chain(state.request)
         return tuple(
             ChunkOp(
                 k,
-                self._chunk_hash(state.request, k),
+                names[k],
                 tuple(tuple(g[k * m : (k + 1) * m]) for g in ids),
             )
             for k in range(a, b)
@@ -236,8 +233,9 @@ class SchedulerSide:
 
     def _expect_stored(self, req: Any, chunks: tuple[ChunkOp, ...]) -> None:
         n = self.identity.chunk_size
+        names = self._chain(req)
         for c in chunks:
-            parent = self._chunk_hash(req, c.chunk - 1) if c.chunk > 0 else None
+            parent = names[c.chunk - 1] if c.chunk > 0 else None
             tokens = list(req.all_token_ids[c.chunk * n : (c.chunk + 1) * n])
             self._unstored.setdefault(c.chunk_hash, [0, tokens, parent, False])
             self._unstored.move_to_end(c.chunk_hash)

@@ -42,7 +42,9 @@ from kvpool.demo.engine import warmup_prompt
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_shaped_llama
+from kvpool.layout import Layout
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
+from kvpool.settings import parse_extra
 
 __all__ = ["ConnectorRun", "EngineBench", "LengthRow", "copy_seconds", "run_engine_bench"]
 
@@ -151,6 +153,23 @@ def _prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(n)] for n in lengths]
 
 
+def _objects(name: str, spec: dict[str, Any], shape: ModelShape) -> tuple[int, int]:
+    """(objects per chunk, tokens per chunk) a connector's engine saves: kvpool
+    writes an object per shard of its layout (a KV head at the defaults), other
+    connectors are counted one per block."""
+    if name != "kvpool":
+        return 1, BLOCK
+    settings, _ = parse_extra(spec["extra"])
+    layout = Layout.create(
+        groups=[f"gqa:{shape.kv_heads}"],
+        layers=shape.layers,
+        layer_bands=list(settings.layer_bands) or None,
+        heads_per_object=settings.heads_per_object,
+        token_classes=settings.token_classes or None,
+    )
+    return len(layout.contents(0)), settings.chunk_size or BLOCK
+
+
 def _run_cold(
     spec: dict[str, Any],
     workdir: Path,
@@ -158,13 +177,17 @@ def _run_cold(
     progress: Progress,
     metrics_url: str,
     before: dict[str, float],
+    objects_per_chunk: int = 1,
+    chunk: int = BLOCK,
 ) -> dict[str, Any]:
     """The cold engine, kept alive until its saves completed in the pool (every
     connector saves in the background; an engine that exits at once loses the
-    last prompt's saves). Completed, not merely counted: the master counts a key
+    last prompt's saves): ``objects_per_chunk`` objects for each distinct chunk of
+    ``chunk`` tokens. Completed, not merely counted: the master counts a key
     from the start of its put."""
     prompts = spec["prompts"]
-    chunks = distinct_chunks([*prompts, warmup_prompt(max(len(p) for p in prompts))])
+    warm = warmup_prompt(max(len(p) for p in prompts))
+    objects = distinct_chunks([*prompts, warm], chunk) * objects_per_chunk
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
     cold_spec = {**spec, "phases": [prompts]}
@@ -176,7 +199,7 @@ def _run_cold(
         session.next_phase(timeout=3600)
         base = completed_puts(before)
         wait_until(
-            lambda: completed_puts(master_metrics(metrics_url)) - base >= chunks,
+            lambda: completed_puts(master_metrics(metrics_url)) - base >= objects,
             120.0,
             step=0.2,
         )
@@ -288,7 +311,15 @@ def run_engine_bench(
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             try:
-                cold = _run_cold(spec, workdir, name, progress, cfg.metrics_url, before)
+                cold = _run_cold(
+                    spec,
+                    workdir,
+                    name,
+                    progress,
+                    cfg.metrics_url,
+                    before,
+                    *_objects(name, spec, shape),
+                )
                 after = master_metrics(cfg.metrics_url)
                 loads = _run_warm(spec, workdir, name, progress)
             finally:

@@ -7,7 +7,9 @@
     GroupSpec.heads(tp, r)    the shards TP rank r holds (KV heads, the latent,
                               or its state slice)
     GroupSpec.replication(tp) how many TP ranks hold each of them
-    GroupSpec.needed_chunks   the chunks a hit needs (a window: only its own)
+    GroupSpec.needed_chunks   the chunks a hit needs (a window: only its own; a
+                              Mamba state: the hit's last chunk)
+    GroupSpec.every_chunk     whether a hit needs every chunk (full attention)
 
 Pure. ``kvpool.layout`` builds a whole engine's layout from these.
 """
@@ -92,10 +94,20 @@ class GroupSpec:
         base = f"{self.kind.value}:{self.kv_heads}" if self.kind in HEADED else self.kind.value
         return f"{base}:w{self.window}" if self.window else base
 
+    @property
+    def every_chunk(self) -> bool:
+        """Whether a hit needs every chunk before it of this group (full attention),
+        not only a few (``needed_chunks``)."""
+        return not self.window and self.kind is not GroupKind.MAMBA
+
     def needed_chunks(self, hit_chunks: int, chunk_size: int) -> range:
         """The chunks a hit of ``hit_chunks`` chunks needs of this group: all of them
         for full attention; for a sliding window, those holding the last
-        ``window - 1`` tokens before the hit (what the next token attends to)."""
+        ``window - 1`` tokens before the hit (what the next token attends to); for
+        Mamba, the last chunk's object: the recurrent state after the hit's tokens
+        (the state after any token holds all that came before it)."""
+        if self.kind is GroupKind.MAMBA:
+            return range(hit_chunks - 1, hit_chunks) if hit_chunks else range(0)
         if not self.window or hit_chunks == 0:
             return range(hit_chunks)
         first_token = max(0, hit_chunks * chunk_size - (self.window - 1))

@@ -966,3 +966,43 @@ def test_an_unreadable_window_chunk_is_reported_not_guessed(service: Service) ->
     put_chunks(store, WINDOWED, space, hashes)
     store.down = set(_group_keys(WINDOWED, space, 0, hashes[7:8]))
     assert client.lookup("r", hashes, 8 * CHUNK + 1) == 0  # an error reply reads as a miss
+
+
+# Mamba layers (one KV group each in vLLM) beside full attention and a window.
+MAMBA_MIX = Layout.create(tp=2, groups=("mamba", "gqa:2", "mamba", "gqa:2:w32"))
+
+
+def test_a_mamba_group_needs_only_the_state_after_the_hit(service: Service) -> None:
+    """States exist only where an engine step ended (vLLM's hand-offs): the hit
+    ends at the last chunk whose every Mamba group has its state, inside the
+    attention prefix and with the window's chunks before it."""
+    space = space_of(MAMBA_MIX)
+    store = HoleyStore()
+    service.server(store, MAMBA_MIX, space)
+    client = service.client()
+    hashes = chunk_hashes(20)
+    put_chunks(store, MAMBA_MIX, space, hashes)
+    tokens = 20 * CHUNK + 1
+    assert client.lookup("r", hashes, tokens) == 20 * CHUNK
+    states = set(_group_keys(MAMBA_MIX, space, 0, hashes)) | set(
+        _group_keys(MAMBA_MIX, space, 2, hashes)
+    )
+    kept = set(_group_keys(MAMBA_MIX, space, 0, [hashes[7], hashes[15]])) | set(
+        _group_keys(MAMBA_MIX, space, 2, [hashes[7], hashes[15]])
+    )
+    store.holes = states - kept  # states after chunks 7 and 15 only
+    assert client.lookup("r", hashes, tokens) == 16 * CHUNK
+    # One Mamba group lacks chunk 15's state: the hit falls back to chunk 7's.
+    store.holes |= set(_group_keys(MAMBA_MIX, space, 2, hashes[15:16]))
+    assert client.lookup("r", hashes, tokens) == 8 * CHUNK
+    # The full-attention prefix ends at 5: no state at or below it, no hit.
+    store.holes |= set(_group_keys(MAMBA_MIX, space, 1, hashes[5:6]))
+    assert client.lookup("r", hashes, tokens) == 0
+    # The window (2 chunks) lacks chunk 6: chunk 7's state is of no use either.
+    store.holes = (states - kept) | set(_group_keys(MAMBA_MIX, space, 3, hashes[6:7]))
+    store.holes |= set(_group_keys(MAMBA_MIX, space, 2, hashes[15:16]))
+    assert client.lookup("r", hashes, tokens) == 0
+    # An unreadable state at the end of the hit is reported, not guessed.
+    store.holes = states - kept
+    store.down = set(_group_keys(MAMBA_MIX, space, 0, hashes[15:16]))
+    assert client.lookup("r", hashes, tokens) == 0  # an error reply reads as a miss

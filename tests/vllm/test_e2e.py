@@ -18,6 +18,7 @@ import pytest
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 
 BLOCK = 32
+FAULTS = "kvpool.chaos.faults"
 TINY_KV_HEADS = 2  # build_tiny_llama's default; kvpool stores one object per KV head
 
 
@@ -382,6 +383,39 @@ def test_a_prompt_whose_kv_is_many_times_the_staging_area_is_saved_and_loaded_wh
     assert a["results"][0]["cached_tokens"] == 0
     assert b["results"][0]["cached_tokens"] == 1984  # every whole chunk but the last token's
     assert "not saved" not in a["log"] + b["log"]
+
+
+def test_saves_refused_by_a_pool_slower_than_the_engine_still_land_after_the_request_ends(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """Every put takes 1.5 s, longer than a save waits for staging (1 s): most of
+    the prompt's objects are refused ("staging_busy") while the engine computes,
+    and the one-token request ends right after its prefill. vLLM keeps its blocks
+    until the worker's retries have stored every object; a fresh engine then
+    loads every whole chunk. (Before, the refused chunks were lost with the
+    request: a partial prefix, and loads failing on chunks whose first head was
+    in the pool but not the others.)"""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    rng = random.Random(11)
+    long = [rng.randrange(10, 1000) for _ in range(512)]
+    base = run_engine(spec(tiny_model, "none", prompts=[long, long], max_tokens=1))
+    slow = {"pool_file": pool_file, "staging_bytes": "256KiB", "store": f"{FAULTS}:SlowPutStore"}
+    a = run_engine(
+        spec(
+            tiny_model, "kvpool", prompts=[long], max_tokens=1, extra=slow, settle_saves=True,
+            env={"KVPOOL_CHAOS_PUT_DELAY_S": "1.5"},
+        )
+    )  # fmt: skip
+    assert "not saved (staging_busy)" in a["log"]  # the pool was slower, as meant
+    assert "gave up saving" not in a["log"]
+    keys, _ = pool_objects(local_pool, [long])
+    assert len(keys) == 16 * TINY_KV_HEADS  # every object of the 16 chunks
+    b = run_engine(spec(tiny_model, "kvpool", pool_file, prompts=[long], max_tokens=1))
+    (got,) = b["results"]
+    assert got["cached_tokens"] == 480  # every whole chunk but the last token's
+    local_hit = base["results"][1]
+    assert (got["tokens"], got["logprobs"]) == (local_hit["tokens"], local_hit["logprobs"])
+    assert "failed" not in b["log"]
 
 
 def test_a_typo_in_the_connector_settings_stops_the_engine_at_start(

@@ -1,7 +1,7 @@
 """A hybrid model (sliding-window layers beside full attention) under vLLM's hybrid
 KV cache manager: vLLM keeps the manager on with kvpool configured, a fresh
-engine reuses the pool's prefix, and answers like an engine without kvpool. A
-Mamba hybrid starts and serves with kvpool configured (its state is not pooled)."""
+engine reuses the pool's prefix, and answers like an engine without kvpool. So
+does a Mamba hybrid with prefix caching on (the state at the hit is pooled)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import pytest
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 WINDOW = 64
 BLOCK = 32
-KV_HEADS = 2  # build_tiny_gemma3's default; kvpool stores one object per KV head
+KV_HEADS = 2  # build_tiny_gemma3's and build_tiny_granite_hybrid's default
+MAMBA_BLOCK = 64
+MAMBA_LAYERS = 3  # build_tiny_granite_hybrid's default: 4 layers, the 4th attention
 
 
 def spec(model: Path, connector: str, pool_file: str = "") -> dict[str, Any]:
@@ -67,26 +69,59 @@ def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(
     assert not stats["failures"]
 
 
-def test_a_mamba_hybrid_serves_with_kvpool_configured_and_the_connector_idle(
-    run_engine: RunEngine,
-    local_pool: Any,
-    tmp_path: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """A random Granite-4-style model (three Mamba-2 layers, one attention layer).
-    vLLM's CPU build runs it only with prefix caching off: with it on, vLLM keeps
-    Mamba states at block boundaries ("align" mode), and its CPU path for that
-    fails (an IndexError in mamba_mixer2), so no state can be pooled here. With
-    kvpool configured the engine starts with the hybrid manager on, the connector
-    says it stays idle, and the answers equal an engine's without kvpool."""
+@pytest.fixture(scope="session")
+def tiny_granite(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpool.demo.tiny_model import build_tiny_granite_hybrid
 
-    model = build_tiny_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+    return build_tiny_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+
+
+def mamba_spec(model: Path, connector: str, pool_file: str = "") -> dict[str, Any]:
+    """Prefix caching on (vLLM's "align" mode: a Mamba state per block), one block
+    per step: vLLM's CPU SSD kernel returns no state from inside a step."""
+    return dict(spec(model, connector, pool_file), block_size=MAMBA_BLOCK,
+                max_num_batched_tokens=MAMBA_BLOCK)  # fmt: skip
+
+
+def test_a_mamba_hybrid_loads_attention_and_the_state_at_the_hit_from_the_pool(
+    tiny_granite: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """A random Granite-4-style model (three Mamba-2 layers, one attention layer).
+    Engine A saves each chunk's attention KV and the Mamba states vLLM hands over
+    (its boundary-state hand-offs). Fresh engine B hits the 256-token shared
+    prefix: it loads the attention chunks and only the state after them, and
+    answers exactly as an engine without kvpool."""
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-    base = run_engine(dict(spec(model, "none"), prefix_caching=False))
-    a = run_engine(dict(spec(model, "kvpool", pool_file), prefix_caching=False))
+    base = run_engine(mamba_spec(tiny_granite, "none"))
+    a = run_engine(mamba_spec(tiny_granite, "kvpool", pool_file))
+    b = run_engine(mamba_spec(tiny_granite, "kvpool", pool_file))
+    for run in (a, b):
+        assert "Turning off hybrid kv cache manager" not in run["log"]
+        assert "stays idle" not in run["log"]
+        assert_same_outputs(run, base)
+    assert [r["cached_tokens"] for r in a["results"]] == [0, 256, 256]  # its own cache
+    assert [r["cached_tokens"] for r in b["results"]] == [256, 256, 256]  # the pool, then local
+    # 4 chunks of 64 tokens of attention, an object per KV head; of each Mamba
+    # layer (a KV group each) the one state vLLM handed over, after token 256 (the
+    # last block boundary of the first prompt: the state it keeps for reuse).
+    assert a["connector"]["chunks_saved"] == 4 * KV_HEADS + MAMBA_LAYERS
+    stats = b["connector"]
+    assert stats["hit_tokens"] == 256
+    assert stats["chunks_loaded"] == 4 * KV_HEADS + MAMBA_LAYERS
+    assert not stats["failures"]
+
+
+def test_a_mamba_hybrid_without_prefix_caching_serves_with_the_connector_idle(
+    tiny_granite: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """With prefix caching off vLLM keeps no Mamba state per block, so there is
+    nothing to pool: the engine starts with the hybrid manager on, the connector
+    says why it stays idle, and the answers equal an engine's without kvpool."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    base = run_engine(dict(spec(tiny_granite, "none"), prefix_caching=False))
+    a = run_engine(dict(spec(tiny_granite, "kvpool", pool_file), prefix_caching=False))
     assert "Turning off hybrid kv cache manager" not in a["log"]
-    assert "Mamba / linear-attention state is not pooled yet" in a["log"]
+    assert "pooled only with vLLM's prefix caching on" in a["log"]
     assert "stays idle" in a["log"]
     assert_same_outputs(a, base)
     assert not a["connector"].get("bytes_saved")  # nothing saved (no counters at all)

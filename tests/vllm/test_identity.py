@@ -134,9 +134,21 @@ def test_group_kinds_from_vllms_real_spec_classes() -> None:
     )
     with pytest.raises(UnsupportedEngine, match="bounded replay"):
         _group_spec(replay, 1)
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64),), dtypes=(torch.float32,))
-    with pytest.raises(UnsupportedEngine, match="Mamba"):
-        _group_spec(mamba, 8)
+    # Mamba: its state per block exists only in vLLM's "align" mode (prefix caching on).
+    shapes, dtypes = ((4, 64),), (torch.float32,)
+    mamba = MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align")
+    assert _group_spec(mamba, 8) == GroupSpec(GroupKind.MAMBA)
+    assert GroupSpec(GroupKind.MAMBA).needed_chunks(5, BLOCK) == range(4, 5)  # the last state
+    for mode in ("none", "all"):
+        off = MambaSpec(block_size=BLOCK, shapes=shapes, dtypes=dtypes, mamba_cache_mode=mode)
+        with pytest.raises(UnsupportedEngine, match="pooled only with vLLM's prefix caching on"):
+            _group_spec(off, 8)
+    replicated = MambaSpec(
+        block_size=BLOCK, shapes=shapes, dtypes=dtypes, mamba_cache_mode="align",
+        tp_replicated=True,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedEngine, match="replicated"):
+        _group_spec(replicated, 8)
 
 
 @pytest.mark.parametrize("window", [1, 2, 31, 32, 33, 64, 65, 100, 4096])

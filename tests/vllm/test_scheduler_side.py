@@ -85,6 +85,16 @@ def identity(tp: int = 1, blocks_per_chunk: int = 1, block: int = B) -> EngineId
     return EngineIdentity(layout, space, block, chunk, 0)
 
 
+def grouped(groups: list[str]) -> EngineIdentity:
+    """TP1 with these KV groups, a chunk per block."""
+    layout = Layout.create(tp=1, groups=groups)
+    space = KeySpace.create(
+        model="m", layout=layout, kv_dtype="f32", model_dtype="f32",
+        chunk_size=B, head_size=32, num_layers=2,
+    )  # fmt: skip
+    return EngineIdentity(layout, space, B, B, 0)
+
+
 def side(
     hit: int,
     tp: int = 1,
@@ -304,31 +314,37 @@ def test_a_step_with_no_tokens_scheduled_is_idle() -> None:
     assert not s.build_meta(step([("q", 0)], {"q": 5})).idle
 
 
-def test_a_save_refused_for_local_pressure_is_planned_again_while_the_request_runs() -> None:
+def test_a_finished_request_with_saves_keeps_its_blocks_until_the_workers_release_it() -> None:
     s, _, manager = side(hit=0)
-    req = FakeRequest.make("r", 6 * B)
+    for rid in ("r", "q"):
+        s.matched_tokens(FakeRequest.make(rid, 6 * B), 0)
+        s.after_alloc(FakeRequest.make(rid, 6 * B), 0)
+        manager.tables[rid] = (list(range(6)),)
+    meta = s.build_meta(step([("r", 0), ("q", 0)], {"r": 4 * B, "q": B // 2}))
+    assert [c.chunk for c in meta.saves[0].chunks] == [0, 1, 2, 3] and len(meta.saves) == 1
+    # "r" had saves handed to the workers, which retry refused ones while vLLM
+    # keeps its blocks; "q" had none: freed at once.
+    assert s.finish("r") is True
+    assert s.finish("q") is False
+    assert s.finish("never-seen") is False
+    meta = s.build_meta(step([], {}, finished=frozenset({"r", "q"})))
+    assert meta.finishing == {"r"} and meta.freed == {"q"}  # zero copy flushes only "q"
+    assert meta.saves == [] and meta.loads == []  # its state is gone: nothing planned
+    assert s.build_meta(step([], {})).finishing == frozenset()  # named once
+
+
+@pytest.mark.parametrize("events, groups", [(True, ["gqa:2"]), (False, ["gqa:2", "gqa:2:w64"])])
+def test_blocks_are_not_kept_where_workers_never_retry(events: bool, groups: list[str]) -> None:
+    """KV events on, or a group that frees blocks early (a sliding window): no
+    retries (``WorkerSide._may_retry``), so nothing to wait for."""
+    manager = FakeManager()
+    s = SchedulerSide(grouped(groups), ConnectorSettings(), FakeLookup(0), manager, events)
+    req = FakeRequest.make("r", 4 * B)
     s.matched_tokens(req, 0)
     s.after_alloc(req, 0)
-    manager.tables["r"] = (list(range(6)),)
-    meta = s.build_meta(step([("r", 0)], {"r": 4 * B}))
-    assert [c.chunk for c in meta.saves[0].chunks] == [0, 1, 2, 3]
-    s.worker_output(KVPoolWorkerMetadata(refused={"r": 1, "gone": 0}))
-    out = step([], {"r": 2 * B})
-    out.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[4 * B])
-    meta = s.build_meta(out)
-    assert [c.chunk for c in meta.saves[0].chunks] == [1, 2, 3, 4, 5]  # refused ones again
-    # A report for chunks already planned again (or a finished request) changes nothing.
-    s.worker_output(KVPoolWorkerMetadata(refused={"r": 6}))
-    out = step([], {"r": 1})
-    out.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[6 * B])
-    assert s.build_meta(out).saves == []
-
-
-def test_refusals_from_several_workers_keep_the_first_chunk() -> None:
-    a = KVPoolWorkerMetadata(refused={"r": 3, "q": 1})
-    b = KVPoolWorkerMetadata(refused={"r": 2})
-    merged = a.aggregate(b)
-    assert isinstance(merged, KVPoolWorkerMetadata) and merged.refused == {"r": 2, "q": 1}
+    manager.tables["r"] = tuple(list(range(4)) for _ in groups)
+    assert s.build_meta(step([("r", 0)], {"r": 4 * B})).saves
+    assert s.finish("r") is False
 
 
 def test_engines_with_other_block_sizes_name_a_chunk_alike() -> None:
@@ -370,3 +386,43 @@ def test_a_request_whose_extras_cannot_be_hashed_is_never_pooled() -> None:
     s.after_alloc(req, 0)
     manager.tables["r"] = (list(range(4)),)
     assert s.build_meta(step([("r", 0)], {"r": 4 * B})).saves == []
+
+
+def test_mamba_states_are_saved_from_vllms_hand_offs_never_by_position() -> None:
+    """A Mamba group's block table holds states at positions vLLM chooses (and
+    scratch blocks): kvpool saves a chunk's state only from the step's boundary
+    -state hand-off ((group, block, tokens) ending that chunk); its other chunks
+    carry the null block, which workers skip."""
+    from kvpool.vllm.metadata import NULL_BLOCK
+
+    manager = FakeManager()
+    s = SchedulerSide(grouped(["mamba", "gqa:2"]), ConnectorSettings(), FakeLookup(0), manager)
+    req = FakeRequest.make("r", 5 * B)
+    s.matched_tokens(req, 0)
+    s.after_alloc(req, 0)
+    manager.tables["r"] = ([0, 0, 9, 7, 8], [10, 11, 12, 13, 14])  # scratch at 2-4
+
+    def out(scheduled: dict[str, int], done: int, offloads: dict[str, Any]) -> Any:
+        o = step([], scheduled)
+        o.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[done])
+        o.kv_connector_block_state = SimpleNamespace(boundary_state_offloads=offloads)
+        return o
+
+    # 3 chunks computed; the state after 3 chunks is in block 7; a boundary inside
+    # a chunk (B + 5) is no chunk's state.
+    meta = s.build_meta(out({"r": 3 * B}, 0, {"r": [(0, 7, 3 * B), (0, 9, B + 5)]}))
+    (save,) = meta.saves
+    assert [(c.chunk, c.block_ids) for c in save.chunks] == [
+        (0, ((NULL_BLOCK,), (10,))),
+        (1, ((NULL_BLOCK,), (11,))),
+        (2, ((7,), (12,))),
+    ]
+    # A hand-off for a chunk already saved (its attention went before): only its
+    # state; one for a request kvpool does not track: nothing.
+    meta = s.build_meta(out({"r": B // 2}, 3 * B, {"r": [(0, 9, 2 * B)], "other": [(0, 4, B)]}))
+    (save,) = meta.saves
+    assert [(c.chunk, c.block_ids) for c in save.chunks] == [(1, ((9,), (NULL_BLOCK,)))]
+    assert save.chunks[0].chunk_hash == req.names()[1]
+    # Nothing new: no save at all.
+    assert s.build_meta(out({"r": 1}, 3 * B + B // 2, {})).saves == []
+    assert s.finish("r") is False  # Mamba states move on: no retries, blocks freed at once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -232,19 +233,21 @@ def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -
     worker.close()
 
 
-def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_retry() -> None:
-    import threading
+class SlowPuts(MemoryStore):
+    """Puts wait for ``release``: a pool slower than the engine for a while."""
 
-    release = threading.Event()
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(capacity=1 << 30)
+        self.release = release
 
-    class SlowPuts(MemoryStore):
-        """Puts wait for ``release``: a pool slower than the engine for a while."""
+    def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        assert self.release.wait(30)
+        return super()._put(keys, segments)
 
-        def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
-            assert release.wait(30)
-            return super()._put(keys, segments)
 
-    store = SlowPuts(capacity=1 << 30)
+def slow_worker(release: threading.Event) -> tuple[WorkerSide, SlowPuts, dict[str, torch.Tensor]]:
+    """A worker whose save staging holds two chunk objects, over a ``SlowPuts`` pool."""
+    store = SlowPuts(release)
     kv_config = SimpleNamespace(
         num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
     )
@@ -253,9 +256,16 @@ def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_ret
     settings = ConnectorSettings(staging_bytes=128 << 10)
     worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
     worker.register(caches)
+    return worker, store, caches
+
+
+def test_a_save_refused_for_busy_staging_is_retried_by_the_worker_until_stored() -> None:
+    release = threading.Event()
+    worker, store, caches = slow_worker(release)
     engine = worker.engine
     assert engine is not None and engine.load_mode == "staged"
     worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2, 3, 4, 5])]))
+    assert engine.saves_blocked  # staging full, its wait ran out: refused at once now
     # Saves stall, loads do not: they have staging of their own. Objects written
     # before (by "another engine") load while the puts are stuck.
     chunk_hash = bytes([1]) * 8
@@ -268,18 +278,83 @@ def test_a_save_refused_for_busy_staging_keeps_the_store_and_is_reported_for_ret
     assert finished_within(worker, "b") == (True, False)
     assert all(bool((t[9] == 3.0).all()) for t in caches.values())
     release.set()
-    meta = None
+    keys = {worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], bytes([i]) * 8)
+            for i in range(2, 6)}  # fmt: skip
     deadline = time.monotonic() + 10
-    while meta is None and time.monotonic() < deadline:
+    while not keys <= store._objects.keys() and time.monotonic() < deadline:
         worker.finished()
-        meta = worker.worker_meta()
+        worker.start_saves(KVPoolMetadata())  # each step: refused objects go again
         time.sleep(0.01)
-    assert meta is not None and meta.refused == {"a": 2}  # chunks 2-4 to submit again
-    assert meta.failed_hashes == set()
+    assert keys <= store._objects.keys()  # chunks 2-4, refused at first, are in the pool
+    assert worker.worker_meta() is None  # nothing for the scheduler to plan again
     assert worker.engine is engine and worker.store is store  # not retired
     stats = worker.stats()
-    assert stats is not None and stats.chunks_refused == {"staging_busy": 3}
-    assert stats.chunks_put + stats.chunks_skipped_exist == 2  # chunk 0 was there already
+    assert stats is not None and stats.chunks_refused["staging_busy"] >= 3
+    assert stats.chunks_put + stats.chunks_skipped_exist == 5  # chunk 0 was there already
+    worker.close()
+
+
+def test_a_finished_request_is_released_once_its_refused_saves_are_stored() -> None:
+    release = threading.Event()
+    worker, store, _ = slow_worker(release)
+    worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2, 3, 4])]))
+    # "a" finished; vLLM keeps its blocks. Another finishing request had no save
+    # on this rank: it is released at the next poll.
+    worker.start_saves(KVPoolMetadata(finishing=frozenset({"a", "idle"})))
+    worker.finished()
+    assert worker.released() == {"idle"}
+    for _ in range(3):  # its puts are stuck: not released
+        worker.finished()
+        worker.start_saves(KVPoolMetadata())
+        assert worker.released() == set()
+    release.set()
+    got: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        worker.finished(idle=True)
+        got = worker.released()
+        worker.start_saves(KVPoolMetadata())
+    assert got == {"a"}
+    assert len(store._objects) == 4  # every object, the refused ones too
+    worker.finished()
+    assert worker.released() == set()  # reported once
+    worker.close()
+
+
+def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvpool.vllm.worker as worker_module
+
+    release = threading.Event()
+    worker, _, _ = slow_worker(release)
+    worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2, 3]), ops("p", [4, 5, 6])]))
+    release.set()
+    deadline = time.monotonic() + 10
+    while worker._save_reqs and time.monotonic() < deadline:  # the first jobs end
+        worker.finished()
+        time.sleep(0.01)
+    assert set(worker._retry) == {"a", "p"}
+    # "p" is preempted (its blocks are freed): its refused objects are dropped.
+    # "a" finished; a new save fills staging again, so saves are blocked and its
+    # retry waits, past the drain limit.
+    release.clear()
+    monkeypatch.setattr(worker_module, "DRAIN_LIMIT_S", 0.0)
+    other = RequestOps("x", tuple(ChunkOp(i, bytes([50 + i]) * 8, ((7 + i,),)) for i in range(3)))
+    worker.start_saves(
+        KVPoolMetadata(saves=[other], freed=frozenset({"p"}), finishing=frozenset({"a"}))
+    )
+    assert worker.engine is not None and worker.engine.saves_blocked
+    assert "p" not in worker._retry and "a" in worker._retry
+    with caplog.at_level(logging.WARNING, logger="kvpool.vllm.worker"):
+        got: set[str] = set()
+        while not got and time.monotonic() < deadline:
+            worker.finished()
+            got = worker.released()
+            time.sleep(0.01)
+    assert got == {"a"}  # given up: its blocks go back to vLLM
+    assert "gave up saving" in caplog.text
+    release.set()
     worker.close()
 
 
@@ -456,3 +531,24 @@ def test_kv_tensors_off_the_host_are_refused_and_the_worker_stays_idle(
     assert "KV tensors on meta" in caplog.text and "stays idle" in caplog.text
     worker.start_loads(KVPoolMetadata(loads=[ops("b", [5, 6])]))
     assert finished_within(worker, "b") == (True, True)  # a miss: vLLM recomputes
+
+
+def test_a_worker_whose_connector_stayed_idle_still_ends_what_the_scheduler_planned() -> None:
+    """The scheduler's set-up succeeded, this worker's did not (no ``WorkerSide``):
+    its loads finish failed (blocks recomputed) and finishing requests are released,
+    or vLLM would wait on this rank for ever."""
+    from kvpool.vllm.connector import KVPoolConnector
+
+    connector = object.__new__(KVPoolConnector)  # only the worker-role state below is read
+    connector._worker = None
+    connector._orphan_blocks = set()
+    connector._kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace()])
+    connector._connector_metadata = KVPoolMetadata(
+        loads=[ops("l", [4, 5])], finishing=frozenset({"f"})
+    )
+    got = connector.get_transfer_results(set())
+    assert got.finished_sending == {"f"}
+    assert got.finished_recving == {"l"} and got.failed_recving == {"l"}
+    assert connector.get_block_ids_with_load_errors() == {4, 5}
+    assert connector.get_block_ids_with_load_errors() == set()  # reported once
+    assert connector.get_finished(set()) == ({"f"}, {"l"})

@@ -190,7 +190,7 @@ def _run_cold(
     objects = distinct_chunks([*prompts, warm], chunk) * objects_per_chunk
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
-    cold_spec = {**spec, "phases": [prompts]}
+    cold_spec = {**spec, "phases": [prompts], "settle_saves": name == "kvpool"}
     del cold_spec["prompts"]
     session = EngineSession.start(
         cold_spec, workdir, f"{name}-cold", on_progress=lambda n: progress(phase, n, len(prompts))

@@ -6,13 +6,16 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
        "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
-       "pp": 1, "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool}
+       "pp": 1, "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool,
+       "max_num_batched_tokens": n}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 With ``"settle_saves": true`` the engine keeps stepping after the last prompt
-(short prompts of no full chunk, not in the results) until kvpool's worker has
-no save outstanding, plus one more step: what a save reports (KV events) then
-reaches the scheduler before the engine exits.
+(of each phase) with short prompts of no full chunk, not in the results, until
+kvpool's worker has no save outstanding (refused saves retried, finished
+requests released), plus one more step: what a save reports (KV events) then
+reaches the scheduler before the engine exits. (vLLM's offline ``LLM`` steps
+only while a request is unfinished; a server keeps stepping by itself.)
 
 With ``"phases": [[prompts], [prompts], ...]`` instead of ``"prompts"``, the
 engine runs one phase, prints ``KVPOOL-PHASE <i> <json>`` (that phase's results
@@ -106,6 +109,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=spec.get("pp", 1) == 1,
         seed=0,
         block_size=spec.get("block_size", 32),
+        # Mamba hybrids on vLLM's CPU build: one block per step (its SSD kernel
+        # returns no states inside a step, which prefix caching then needs).
+        max_num_batched_tokens=spec.get("max_num_batched_tokens"),  # None: vLLM's default
         kv_transfer_config=transfer,
         kv_events_config=events,
         tensor_parallel_size=spec.get("tp", 1),
@@ -140,6 +146,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 if spec.get("progress"):
                     sys.stdout.write(f"\nKVPOOL-PROGRESS {done_prompts}\n")
                     sys.stdout.flush()
+            if spec.get("settle_saves"):
+                _settle_saves(llm, greedy)
             done = {"results": phases[-1], "connector": _connector_stats(llm)}
             sys.stdout.write(f"\nKVPOOL-PHASE {i} " + json.dumps(done) + "\n")
             sys.stdout.flush()

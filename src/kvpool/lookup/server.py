@@ -22,8 +22,11 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
   A chunk counts only if every key the ranks would read for it is present
   (``plan.probe_keys``: every distinct content of every group) and it holds
   no suppressed key; a sliding-window group (``GroupSpec.window``) needs only
-  the chunks of its window before the hit (``GroupSpec.needed_chunks``), so
-  the hit is the longest one whose every group has what it needs. A chunk's
+  the chunks of its window before the hit, a Mamba group only the hit's last
+  chunk (its state; ``GroupSpec.needed_chunks``), so the hit is the longest
+  one whose every group has what it needs. Mamba states exist only at the
+  chunks where an engine step ended, so one probe asks for the state of every
+  chunk the full-attention search found and the hit ends at the last present. A chunk's
   KV heads are written together (by one rank, or by each rank for its own),
   so outside ``exact`` mode the search asks for one head of each slice class
   (group, token class, stage) per chunk, rotating the head with the chunk
@@ -60,6 +63,7 @@ from typing import Protocol, runtime_checkable
 import zmq
 
 from kvpool.errors import ConfigError, StoreError
+from kvpool.groups import GroupKind
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.lookup import wire
@@ -128,18 +132,20 @@ class LookupServer:
         self._clock = clock
         self._templates = _key_templates(layout, space)
         # Full-attention groups need every chunk of a hit; sliding-window groups
-        # (``GroupSpec.window``) only the chunks of their window before it.
+        # (``GroupSpec.window``) only the chunks of their window before it, Mamba
+        # groups the last chunk's state (``GroupSpec.needed_chunks``).
         specs = [layout.groups[c.group] for g in range(len(layout.groups))
                  for c in layout.contents(g)]  # fmt: skip
         pairs = list(zip(self._templates, specs, strict=True))
-        self._full = tuple(t for t, spec in pairs if not spec.window)
+        self._full = tuple(t for t, spec in pairs if spec.every_chunk)
         self._windowed = tuple((t, spec) for t, spec in pairs if spec.window)
+        self._states = tuple(t for t, spec in pairs if spec.kind is GroupKind.MAMBA)
         # The full-attention templates by slice class, heads in order: exact mode
         # probes every head of a chunk, the search one per class (rotating).
         classes: dict[tuple[int, int, int, int], list[str]] = {}
         contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
         for t, c in zip(self._templates, contents, strict=True):
-            if not layout.groups[c.group].window:
+            if layout.groups[c.group].every_chunk:
                 classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.band), []).append(t)
         self._classes = tuple(tuple(ts) for ts in classes.values())
         self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
@@ -324,8 +330,8 @@ class LookupServer:
             return present
 
         hit = find_prefix(usable, per_chunk, probe, exact=self.exact) if self._full else usable
-        if self._windowed and hit:
-            shorter, why = self._fit_windows(hit, hash_of, exists)
+        if (self._windowed or self._states) and hit:
+            shorter, why = self._fit_partial(hit, hash_of, exists)
             if shorter < hit:
                 hit, bound = shorter, why
         self.stats.keys_probed += probed
@@ -337,20 +343,39 @@ class LookupServer:
             )
         return wire.LookupReply(seq=req.seq, hit_tokens=hit * chunk, keys_probed=probed)
 
-    def _fit_windows(
+    def _fit_partial(
         self,
         hit: int,
         hash_of: Callable[[int], bytes],
         exists: Callable[[list[str]], list[Status]],
     ) -> tuple[int, Status | None]:
         """The longest hit <= ``hit`` chunks whose sliding-window groups have every
-        chunk of their window before it, and why a shorter one was chosen.
+        chunk of their window before it and whose Mamba groups have the state of
+        its last chunk, and why a shorter one was chosen.
 
-        A missing window chunk m rules out every hit above it (m is in each of
-        their windows, since the windows before ``hit`` reach m), so the next
-        candidate is m; after ``WINDOW_ROUNDS`` candidates the answer is 0."""
+        Mamba states of chunks ``[0, hit)`` are probed once; a hit must end at a
+        chunk with every state present. A missing window chunk m rules out every
+        hit above it (m is in each of their windows, since the windows before
+        ``hit`` reach m), so the next candidate is m; after ``WINDOW_ROUNDS``
+        candidates the answer is 0."""
         why: Status | None = None
+        states: list[Status | None] = []  # per chunk: None (every state there) or why not
+        if self._states:
+            n = len(self._states)
+            got = exists([t + hash_of(k).hex() for k in range(hit) for t in self._states])
+            for k in range(hit):
+                part = got[k * n : (k + 1) * n]
+                states.append(None if all(st is Status.OK for st in part) else _why_absent(part))
         for _ in range(WINDOW_ROUNDS):
+            if self._states:  # end at the last chunk with its states; an unreadable
+                end = hit  # one above it is the reason (the hit may be longer)
+                while hit and states[hit - 1] is not None:
+                    hit -= 1
+                skipped = [w for w in states[hit:end] if w is not None]
+                if skipped:
+                    why = next((w for w in skipped if w is not Status.MISSING), skipped[0])
+                if hit == 0:
+                    return 0, why
             wanted = [(k, t) for t, g in self._windowed
                       for k in g.needed_chunks(hit, self.chunk_size)]  # fmt: skip
             if not wanted:

@@ -16,6 +16,7 @@
                                    staged load older than ``load_timeout_s`` is
                                    reported here as TIMED_OUT and abandoned
     wait(job_ids, timeout)         block until those jobs finish
+    saves_blocked                  a save now would be refused at once
     abandon_loads()                report every unfinished staged load failed now
     close()                        stop the threads after the queued jobs
 
@@ -262,6 +263,12 @@ class TransferEngine:
     @property
     def in_backpressure(self) -> bool:
         return self._saves.in_backpressure
+
+    @property
+    def saves_blocked(self) -> bool:
+        """A save submitted now would be refused at once: back-off after a failed
+        put, or staging still full since a wait for it ran out."""
+        return self._saves.stuck or self._saves.in_backpressure
 
     @property
     def queue_depth(self) -> int:

@@ -9,8 +9,12 @@ vLLM builds one instance per process and role. The scheduler role forwards to
 ``SchedulerSide`` (lookups, load and save plans), the worker role to
 ``WorkerSide`` (transfers); each hook here is a few lines. Loads are
 asynchronous (the request waits in WAITING_FOR_REMOTE_KVS); saves copy the
-blocks at the end of the forward and put them in the background, so vLLM may
-free blocks at once (``request_finished`` never delays frees).
+blocks at the end of the forward and put them in the background. A save the
+worker refused for local pressure (staging busy: the pool slower than the
+engine) is retried by that worker while the request holds its blocks, so a
+finished request with saves handed over keeps its blocks (``request_finished``
+returns True) until every worker lists it as finished sending: its saves are
+done, or were given up after ``worker.DRAIN_LIMIT_S``.
 
 When the pool is not configured or not reachable (no pool file yet, the master
 down), or the model uses something kvpool cannot pool yet, the connector logs
@@ -23,8 +27,10 @@ a typo must not turn caching off in silence.
 Hybrid models: the connector supports vLLM's hybrid KV cache manager
 (``SupportsHMA``), so sliding-window groups keep only their window's blocks; a
 hit needs each sliding-window group's chunks inside the window only, and blocks
-vLLM already dropped (its null block) are neither saved nor loaded. Mamba
-groups leave the connector idle (not pooled yet), the engine serves.
+vLLM already dropped (its null block) are neither saved nor loaded. A Mamba
+group (vLLM's prefix caching on: "align" mode) saves the states vLLM hands over
+per step (``boundary_state_offloads``) and a hit loads the state after its last
+chunk only; with prefix caching off the connector stays idle, the engine serves.
 
 With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events": true}'``),
 ``take_events`` yields a ``BlockStored`` (medium "cpu", block size = chunk size)
@@ -140,6 +146,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._lookup_client: LookupClient | None = None
         self._lookups = LookupInterval()
         self._closers: list[Any] = []
+        self._orphan_blocks: set[int] = set()  # loads planned for a worker that is idle
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class checked it
         self._failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
@@ -261,12 +268,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager (``SupportsHMA``) calls this once per
-        request. Saves never hold blocks past a step (staged saves copy them at
-        submit; zero-copy ones are flushed before a freed block is reused), so
-        the blocks are vLLM's to free at once."""
-        if self._sched is not None:
-            self._sched.forget(request.request_id)
-        return False, None
+        request. The blocks stay until the workers report the request finished
+        sending when its saves may still be retried (``SchedulerSide.finish``)."""
+        if self._sched is None:
+            return False, None
+        return self._sched.finish(request.request_id), None
 
     # ==============================
     # Worker side
@@ -303,21 +309,41 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self._worker is None:
-            return KVConnectorTransferResults()
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._worker is None:
+            return self._results_without_worker(meta)
         done, failed = self._worker.finished(idle=isinstance(meta, KVPoolMetadata) and meta.idle)
         # With several KV groups, block ids are ambiguous: report failures per request.
         multi = len(self._kv_cache_config.kv_cache_groups) > 1
         return KVConnectorTransferResults(
-            finished_recving=done, failed_recving=failed if multi else set()
+            finished_sending=self._worker.released(),
+            finished_recving=done,
+            failed_recving=failed if multi else set(),
+        )
+
+    def _results_without_worker(self, meta: Any) -> KVConnectorTransferResults:
+        """A worker whose connector stayed idle (its set-up failed where the
+        scheduler's did not) still answers for what the scheduler planned: each
+        load finishes failed (its blocks are recomputed), each finishing request
+        is released, so no request waits on this rank for ever."""
+        if not isinstance(meta, KVPoolMetadata):
+            return KVConnectorTransferResults()
+        loads = {ops.req_id for ops in meta.loads}
+        self._orphan_blocks.update(
+            b for ops in meta.loads for c in ops.chunks for ids in c.block_ids for b in ids
+        )
+        return KVConnectorTransferResults(
+            finished_sending=set(meta.finishing), finished_recving=loads, failed_recving=loads
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None or len(self._kv_cache_config.kv_cache_groups) > 1:
+        if self._worker is None:
+            out, self._orphan_blocks = self._orphan_blocks, set()
+            return out if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
+        if len(self._kv_cache_config.kv_cache_groups) > 1:
             return set()
         return self._worker.load_errors()
 

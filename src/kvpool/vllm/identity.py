@@ -63,10 +63,20 @@ def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
     ``SlidingWindowSpec`` (hybrid manager on) keeps only the window's blocks."""
     names = {c.__name__ for c in type(spec).__mro__}
     if "MambaSpec" in names:
-        raise UnsupportedEngine(
-            "Mamba / linear-attention state is not pooled yet (the engine serves "
-            "without kvpool; vLLM's hybrid manager stays on)"
-        )
+        # States exist at block boundaries only in vLLM's "align" mode (prefix
+        # caching on); vLLM hands the connector each one (``boundary_state_offloads``).
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise UnsupportedEngine(
+                f"Mamba / linear-attention state is pooled only with vLLM's prefix caching "
+                f"on (mamba_cache_mode 'align'), this engine runs {mode!r}; the engine "
+                "serves without kvpool"
+            )
+        if getattr(spec, "tp_replicated", False):
+            raise UnsupportedEngine(
+                f"{type(spec).__name__} with a state replicated over TP ranks is not pooled yet"
+            )
+        return GroupSpec(GroupKind.MAMBA)
     if "SlidingWindowSpec" in names:
         # A window of whole tokens that vLLM itself prefix-caches (not DeepSeek-V4's
         # bounded replay, nor states packing several tokens).
@@ -122,11 +132,11 @@ def engine_identity(
     # (vLLM's resolve_kv_cache_block_sizes). Chunks are counted in those tokens.
     block_size *= int(getattr(parallel, "decode_context_parallel_size", 1))
     chunk = chunk_size or block_size
-    if chunk != block_size and any(g.window for g in groups):
+    if chunk != block_size and any(not g.every_chunk for g in groups):
         raise ConfigError(
-            f"chunk_size={chunk} with sliding-window layers: vLLM frees a window's "
-            f"blocks one by one, so a pool object must be one block ({block_size} "
-            "tokens); unset chunk_size"
+            f"chunk_size={chunk} with sliding-window or Mamba layers: vLLM frees a "
+            "window's blocks one by one and keeps a state per block, so a pool object "
+            f"must be one block ({block_size} tokens); unset chunk_size"
         )
     if chunk % block_size:
         raise ConfigError(
@@ -200,6 +210,11 @@ def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
     isas = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
+        if "MambaSpec" in {c.__name__ for c in type(spec).__mro__}:
+            # A state block is its tensors' bytes back to back (vLLM's own views).
+            state = [str(spec.shapes), str(spec.dtypes), str(getattr(spec, "mamba_type", ""))]
+            isas.append("mamba-" + _digest(state))
+            continue
         head = getattr(spec, "head_size", None)
         try:
             isas.append(_get_attn_isa(dtype, int(spec.block_size), head, cache.cache_dtype))

@@ -4,11 +4,12 @@ ChunkOp         one chunk of one request: absolute index, chunk hash, and the
                 block ids holding it in each KV group
 RequestOps      a request's chunks to load or to save this step
 KVPoolMetadata  scheduler -> workers: ``loads`` and ``saves`` for this step (a
-                request never appears in both), and the requests whose blocks
-                were freed since the last step
+                request never appears in both), the requests whose blocks were
+                freed since the last step, and the finished requests whose
+                blocks vLLM holds until every worker reports their saves done
 KVPoolWorkerMetadata  workers -> scheduler: chunk hashes whose load failed
                 (aggregated over workers), so lookups stop reporting them, and
-                saves refused for local pressure, to submit again
+                (KV events) the objects each worker's saves stored
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["ChunkOp", "KVPoolMetadata", "KVPoolWorkerMetadata", "RequestOps"]
+__all__ = ["NULL_BLOCK", "ChunkOp", "KVPoolMetadata", "KVPoolWorkerMetadata", "RequestOps"]
+
+# vLLM's BlockPool takes block 0 as its null block: the placeholder of blocks a
+# sliding window dropped (hybrid KV cache manager) and of Mamba positions that
+# hold no state. It holds no request's KV: never saved, never loaded into.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,10 @@ class KVPoolMetadata(KVConnectorMetadata):
     # Requests that finished or were preempted since the last step: their blocks
     # may be overwritten in this step, so zero-copy saves reading them must end.
     freed: frozenset[str] = frozenset()
+    # Requests that finished since the last step with saves handed to the workers:
+    # vLLM keeps their blocks until each worker lists them as finished sending
+    # (their saves, and the retries of refused ones, are done or given up).
+    finishing: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -57,9 +67,6 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
     # reaches the layout's objects per chunk
     stored: dict[bytes, int] = field(default_factory=dict)
     fresh: set[bytes] = field(default_factory=set)  # chunks with an object put just now
-    # request -> first chunk whose save some rank refused for local pressure
-    # (its staging was busy): the scheduler submits it, and later ones, again
-    refused: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVPoolWorkerMetadata):
@@ -67,9 +74,6 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
         stored = dict(self.stored)
         for h, n in other.stored.items():
             stored[h] = stored.get(h, 0) + n
-        refused = dict(self.refused)
-        for r, k in other.refused.items():
-            refused[r] = min(k, refused.get(r, k))
         return KVPoolWorkerMetadata(
-            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh, refused
+            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh
         )

@@ -8,13 +8,15 @@
     SchedulerSide.build_meta(scheduler_output)  this step's loads (planned since
         the last step) and saves (chunks completed by this step's compute); a
         request is never in both
-    SchedulerSide.forget(req_id)  drop a finished request's state (and cancel
-        its async lookup)
+    SchedulerSide.finish(req_id)  drop a finished request's state; True when
+        vLLM must keep its blocks until the workers report its saves done (it
+        had saves handed over, and workers retry refused saves: no KV events,
+        every group keeps its blocks); the next step's ``finishing`` names it
+    SchedulerSide.forget(req_id)  drop a request's state (and cancel its async
+        lookup)
     SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
-        failed load never loops; saves a worker refused for local pressure are
-        planned again (a chunk counts as saved only once handed over and not
-        refused); with ``events``, a chunk whose every object
+        failed load never loops; with ``events``, a chunk whose every object
         (the layout's objects per chunk, over all ranks) reached the pool
         becomes a ``BlockStored`` event
     SchedulerSide.take_events()  the KV events since the last call
@@ -39,9 +41,16 @@ from typing import Any, Protocol
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvpool.chunkhash import ChunkChain
+from kvpool.groups import GroupKind
 from kvpool.settings import ConnectorSettings
 from kvpool.vllm.identity import EngineIdentity
-from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
+from kvpool.vllm.metadata import (
+    NULL_BLOCK,
+    ChunkOp,
+    KVPoolMetadata,
+    KVPoolWorkerMetadata,
+    RequestOps,
+)
 
 __all__ = ["Lookup", "SchedulerSide"]
 
@@ -66,7 +75,7 @@ class Lookup(Protocol):
 @dataclass
 class _Request:
     request: Any  # vllm.v1.request.Request
-    saved: int = 0  # chunks [0, saved) were handed to the workers' saves, none refused
+    saved: int = 0  # chunks [0, saved) were handed to the workers' saves
     load: tuple[int, int] | None = None  # chunks [a, b) to load, not yet sent
 
 
@@ -98,6 +107,16 @@ class SchedulerSide:
         self._unstored: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._events: list[Any] = []
         self.stored_events = 0
+        # Workers retry a refused save while vLLM keeps the request's blocks (the
+        # worker's rule, ``WorkerSide._may_retry``): a finished request's blocks are
+        # then kept until its saves are done.
+        self._drains = not events and all(g.every_chunk for g in layout.groups)
+        # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off
+        # (the block holding the state after exactly that chunk), never by position.
+        self._states = frozenset(
+            g for g, spec in enumerate(layout.groups) if spec.kind is GroupKind.MAMBA
+        )
+        self._finishing: set[str] = set()  # finished, blocks kept: for the next step
 
     # -- lookups ---------------------------------------------------------------
 
@@ -179,9 +198,11 @@ class SchedulerSide:
 
     def build_meta(self, out: Any) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        meta.freed = frozenset(out.finished_req_ids) | frozenset(
-            getattr(out, "preempted_req_ids", None) or ()
-        )
+        meta.finishing, self._finishing = frozenset(self._finishing), set()
+        meta.freed = (
+            frozenset(out.finished_req_ids)
+            | frozenset(getattr(out, "preempted_req_ids", None) or ())
+        ) - meta.finishing
         loading: set[str] = set()
         for req_id, state in self._requests.items():
             if state.load is None:
@@ -193,6 +214,7 @@ class SchedulerSide:
             # loaded without a store call, and a chunk whose load failed is saved
             # again once vLLM has recomputed it.
             loading.add(req_id)
+        handoffs = self._handoffs(out)
         before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
@@ -205,29 +227,70 @@ class SchedulerSide:
             limit = req.num_tokens if self.settings.save_decode else req.num_prompt_tokens
             done = min(before.get(req_id, 0) + n, limit)
             end = min(done // self.identity.chunk_size, self._hashed_chunks(req))
-            if end > state.saved:
-                chunks = self._chunk_ops(state, state.saved, end)
-                meta.saves.append(RequestOps(req_id, chunks))
-                if self.events:
-                    self._expect_stored(req, chunks)
-                state.saved = end
+            states = handoffs.get(req_id, {})
+            if end > state.saved or states:
+                chunks = self._chunk_ops(state, state.saved, end, states, limit)
+                if chunks:
+                    meta.saves.append(RequestOps(req_id, chunks))
+                    if self.events:
+                        self._expect_stored(req, chunks)
+                state.saved = max(state.saved, end)
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         meta.idle = not out.num_scheduled_tokens
         return meta
 
-    def _chunk_ops(self, state: _Request, a: int, b: int) -> tuple[ChunkOp, ...]:
+    def _chunk_ops(
+        self,
+        state: _Request,
+        a: int,
+        b: int,
+        states: dict[tuple[int, int], int] | None = None,
+        limit: int = 0,
+    ) -> tuple[ChunkOp, ...]:
+        """Chunks ``[a, b)`` with their blocks in every group, by position. A save
+        passes ``states``, this step's Mamba hand-offs ((group, chunk) -> block):
+        a Mamba group's block is then that hand-off or none (``NULL_BLOCK``), and
+        a hand-off's chunk outside ``[a, b)`` (below ``limit`` tokens) is added
+        with only its state."""
         ids = self.kv_cache_manager.get_block_ids(state.request.request_id)
         m = self.identity.blocks_per_chunk
         names = self._chain(state.request)
-        return tuple(
-            ChunkOp(
-                k,
-                names[k],
-                tuple(tuple(g[k * m : (k + 1) * m]) for g in ids),
+        if states is None:
+            return tuple(
+                ChunkOp(k, names[k], tuple(tuple(g[k * m : (k + 1) * m]) for g in ids))
+                for k in range(a, b)
             )
-            for k in range(a, b)
-        )
+        extra = {k for _, k in states if not a <= k < b and (k + 1) * self.identity.chunk_size
+                 <= limit and k < len(names)}  # fmt: skip
+        ops = []
+        for k in sorted(set(range(a, b)) | extra):
+            blocks: list[tuple[int, ...]] = []
+            for g, table in enumerate(ids):
+                if g in self._states:
+                    blocks.append((states.get((g, k), NULL_BLOCK),))
+                elif a <= k < b:
+                    blocks.append(tuple(table[k * m : (k + 1) * m]))
+                else:
+                    blocks.append((NULL_BLOCK,) * m)
+            ops.append(ChunkOp(k, names[k], tuple(blocks)))
+        return tuple(ops)
+
+    def _handoffs(self, out: Any) -> dict[str, dict[tuple[int, int], int]]:
+        """This step's Mamba boundary-state hand-offs that end a chunk, per request:
+        (group, chunk) -> the block holding the state after that chunk (written
+        by this step's forward, read by the workers' saves after it)."""
+        if not self._states:
+            return {}
+        block_state = getattr(out, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        chunk = self.identity.chunk_size
+        got: dict[str, dict[tuple[int, int], int]] = {}
+        for req_id, items in offloads.items():
+            for g, block, boundary in items:
+                if g in self._states and boundary > 0 and boundary % chunk == 0:
+                    got.setdefault(req_id, {})[(g, boundary // chunk - 1)] = block
+        return got
 
     # -- KV events --------------------------------------------------------------------
 
@@ -279,6 +342,16 @@ class SchedulerSide:
 
     # -- lifecycle -------------------------------------------------------------------
 
+    def finish(self, req_id: str) -> bool:
+        """Drop a finished request; whether vLLM must keep its blocks until every
+        worker lists it as finished sending (see the module docstring)."""
+        state = self._requests.get(req_id)
+        self.forget(req_id)
+        if not self._drains or state is None or state.saved == 0:
+            return False
+        self._finishing.add(req_id)
+        return True
+
     def forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._chains.pop(req_id, None)
@@ -290,14 +363,6 @@ class SchedulerSide:
     def worker_output(self, meta: Any) -> None:
         if isinstance(meta, KVPoolWorkerMetadata) and meta.stored and self.events:
             self._stored(meta.stored, meta.fresh)
-        if isinstance(meta, KVPoolWorkerMetadata) and meta.refused:
-            # A save refused for local pressure is not done: while the request
-            # holds its blocks, its next step submits those chunks again (ranks
-            # that did store them skip them without a store call).
-            for req_id, k in meta.refused.items():
-                state = self._requests.get(req_id)
-                if state is not None and k < state.saved:
-                    state.saved = k
         if isinstance(meta, KVPoolWorkerMetadata) and meta.failed_hashes:
             until = time.monotonic() + self.settings.failed_key_ttl_s
             for h in meta.failed_hashes:

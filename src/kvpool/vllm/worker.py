@@ -5,18 +5,22 @@
         cannot be reached leaves the worker idle (every load then fails fast)
     WorkerSide.start_loads(meta)    queue this step's loads (background)
     WorkerSide.start_saves(meta)    stage the chunks this rank writes (the layout's
-        striping rule) and queue their puts; called after the forward
+        striping rule) and queue their puts; then submit again the objects of
+        saves refused for local pressure (staging busy), unless saves are still
+        blocked; called after the forward
     WorkerSide.flush_saves(freed)   zero copy: wait for the saves still reading blocks
         of requests that finished or were preempted (before the next forward)
     WorkerSide.finished(idle)       (finished loads, failed loads) by request id;
         blocks only in an idle step with loads in flight, at most IDLE_WAIT_S
     WorkerSide.load_errors()        block ids to recompute, reported no later than
         the step that returns their request as finished
+    WorkerSide.released()           finished requests whose blocks vLLM kept
+        (``meta.finishing``) and whose saves are now done: no save job in flight
+        and no refused object left to retry, or retries given up after
+        ``DRAIN_LIMIT_S``; each reported once (vLLM's finished sending)
     WorkerSide.worker_meta()        chunk hashes that failed to load, for the
-        scheduler's lookup suppression; per request the first chunk whose save
-        was refused for local pressure (staging), which the scheduler submits
-        again; and (``events``) the objects per chunk hash that this worker's
-        saves put in the pool
+        scheduler's lookup suppression; and (``events``) the objects per chunk
+        hash that this worker's saves put in the pool
 
 A request whose load finished is always reported finished, failed or not.
 
@@ -53,19 +57,20 @@ from kvpool.placement import place_kv
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
+from kvpool.transfer.saves import NOTE_INTERVAL_S
 from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine, layer_index
-from kvpool.vllm.metadata import KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
+from kvpool.vllm.metadata import NULL_BLOCK, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
-__all__ = ["IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]
+__all__ = ["DRAIN_LIMIT_S", "IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
-IDLE_WAIT_S = 0.01  # longest wait for a load in a step with nothing else to do
-# vLLM's BlockPool takes block 0 as its null block: the placeholder of blocks a
-# sliding window dropped (hybrid KV cache manager). It holds no request's KV.
-NULL_BLOCK = 0
+IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to do
+# A finished request's refused saves are retried this long at most; then its
+# blocks go back to vLLM and those objects stay out of the pool.
+DRAIN_LIMIT_S = 30.0
 # vLLM KV group kinds whose blocks stay with a request until it finishes or is
 # preempted (zero copy relies on it; sliding windows free blocks earlier).
 _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
@@ -117,7 +122,14 @@ class WorkerSide:
         self._saves: dict[object, dict[str, bytes]] = {}  # job -> key -> chunk hash
         self._stored: dict[bytes, int] = {}  # chunk hash -> objects stored
         self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
-        self._refused: dict[str, int] = {}  # request -> first chunk refused, to retry
+        # Saves refused for local pressure, to submit again while the request holds
+        # its blocks: job -> its objects (only where retries are allowed), and
+        # request -> the objects to retry
+        self._save_refs: dict[object, list[ChunkRef]] = {}
+        self._retry: dict[str, list[ChunkRef]] = {}
+        self._finishing: dict[str, float] = {}  # finished, blocks kept -> retry deadline
+        self._released: set[str] = set()  # to report as finished sending
+        self._gave_up_noted = -NOTE_INTERVAL_S
         self._frees_early = False  # some KV group frees blocks of running requests
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
@@ -127,8 +139,8 @@ class WorkerSide:
         # Per local group: (shard, engine group index) for each shard this rank holds
         # (one per local KV head; the engine describes each head's view of the tensors).
         self._shards: dict[int, list[tuple[ContentId, int]]] = {}
-        # Saves in flight by request (zero copy waits for those of freed requests;
-        # refusals are reported per request); zero_copy: the store whose memory
+        # Saves in flight by request (zero copy waits for those of freed requests; a
+        # finishing request is released once none is left); zero_copy: the store whose memory
         # holds the KV cache (kept open until close: the KV tensors live there),
         # and results taken early by ``flush_saves`` for the next ``finished``.
         self._kv_home: KVStore | None = None
@@ -298,6 +310,8 @@ class WorkerSide:
         self.engine = self.store = None
         self._saves.clear()  # the retired engine reports no more saves
         self._save_reqs.clear()
+        self._save_refs.clear()
+        self._retry.clear()  # its refusals: the pool is gone meanwhile
         engine.abandon_loads()
         stale = engine.poll()
         self._retired = self._retired + engine.stats()
@@ -386,17 +400,35 @@ class WorkerSide:
             self.engine.submit_load(job, [r for r, _ in refs])
 
     def start_saves(self, meta: KVPoolMetadata) -> None:
+        if meta.finishing:
+            until = time.monotonic() + DRAIN_LIMIT_S
+            for req_id in meta.finishing:
+                self._finishing.setdefault(req_id, until)
+        for req_id in meta.freed:  # its blocks may hold other bytes from now on
+            self._retry.pop(req_id, None)
         if self.engine is None:
             return
         for ops in meta.saves:
             pairs = self._refs(ops, writing=True)
-            if not pairs:
-                continue
-            job = ("save", next(self._jobs))
-            if self._events:
-                self._saves[job] = {r.key: h for r, h in pairs}
-            self._save_reqs[job] = ops.req_id
-            self.engine.submit_save(job, [r for r, _ in pairs])
+            if pairs:
+                hashes = {r.key: h for r, h in pairs} if self._events else None
+                self._submit_save(ops.req_id, [r for r, _ in pairs], hashes)
+        if self._retry and not self.engine.saves_blocked:
+            retry, self._retry = self._retry, {}
+            for req_id, refs in retry.items():
+                self._submit_save(req_id, refs, None)
+
+    def _submit_save(
+        self, req_id: str, refs: list[ChunkRef], hashes: dict[str, bytes] | None
+    ) -> None:
+        assert self.engine is not None
+        job = ("save", next(self._jobs))
+        if hashes is not None:
+            self._saves[job] = hashes
+        self._save_reqs[job] = req_id
+        if not self._events and not self._frees_early:  # see _may_retry
+            self._save_refs[job] = refs
+        self.engine.submit_save(job, refs)
 
     def flush_saves(self, freed: frozenset[str]) -> None:
         """Zero copy: wait for the saves still reading blocks of ``freed`` requests,
@@ -425,7 +457,7 @@ class WorkerSide:
         """
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
-        if idle and self._loads and self.engine is not None:
+        if idle and (self._loads or self._finishing) and self.engine is not None:
             self.engine.wait_any(IDLE_WAIT_S)
         results, self._early = self._early, []
         results += self.engine.poll() if self.engine is not None else []
@@ -433,10 +465,9 @@ class WorkerSide:
         for result in results:
             if result.kind != "load":
                 req = self._save_reqs.pop(result.job_id, None)
-                if req is not None and result.refused_from is not None and self._may_retry(result):
-                    # Local pressure (staging): the scheduler submits these again.
-                    k = self._refused.get(req, result.refused_from)
-                    self._refused[req] = min(k, result.refused_from)
+                refs = self._save_refs.pop(result.job_id, None)
+                if req is not None and refs and result.refused is not None:
+                    self._keep_refused(req, refs, result)
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
@@ -464,14 +495,56 @@ class WorkerSide:
                     req_id,
                     ", ".join(causes),
                 )
+        self._release_done()
         return done, failed
 
+    def _keep_refused(self, req_id: str, refs: list[ChunkRef], result: JobResult) -> None:
+        """Remember a save's refused objects, to submit again (``_may_retry``)."""
+        if not self._may_retry(result):
+            return
+        known = set(result.known)
+        again = [r for r in refs if r.key not in result.statuses and r.key not in known]
+        if again:
+            self._retry.setdefault(req_id, []).extend(again)
+
+    def _release_done(self) -> None:
+        """Finishing requests with no save in flight and nothing left to retry (or
+        past their deadline, or with no pool to retry on) go to ``released``."""
+        if not self._finishing:
+            return
+        now = time.monotonic()
+        busy = set(self._save_reqs.values())
+        for req_id, until in list(self._finishing.items()):
+            if req_id in busy:  # a save may still read its blocks (zero copy) or refuse
+                continue
+            if req_id in self._retry and self.engine is not None and now < until:
+                continue
+            left = self._retry.pop(req_id, None)
+            if left and now - self._gave_up_noted >= NOTE_INTERVAL_S:
+                self._gave_up_noted = now
+                logger.warning(
+                    "kvpool: gave up saving %d object(s) of %s after %.0f s: the pool took "
+                    "too few puts meanwhile (staging busy or backing off); raise "
+                    "staging_bytes if the pool is healthy but slower than the engine",
+                    len(left),
+                    req_id,
+                    DRAIN_LIMIT_S,
+                )
+            del self._finishing[req_id]
+            self._released.add(req_id)
+
+    def released(self) -> set[str]:
+        """Finishing requests whose saves are done, each once (see the module docstring)."""
+        out, self._released = self._released, set()
+        return out
+
     def _may_retry(self, result: JobResult) -> bool:
-        """Whether the scheduler may submit a refused save again: the refusal was
-        local pressure, every group keeps a running request's blocks (sliding
-        windows and Mamba states move on, so a later step would read other bytes
-        under the chunk's key), and KV events are off (a retry would report the
-        objects its first job stored a second time, completing a chunk early)."""
+        """Whether a refused save may be submitted again: the refusal was local
+        pressure, every group keeps a running request's blocks (sliding windows
+        and Mamba states move on, so a later step would read other bytes under
+        the chunk's key), and KV events are off (a retry's report could count
+        an object twice, completing a chunk early). The scheduler keeps a
+        finished request's blocks by the same rule (``SchedulerSide.finish``)."""
         return result.retry and not self._events and not self._frees_early
 
     def _note_stored(self, result: JobResult) -> None:
@@ -486,18 +559,19 @@ class WorkerSide:
 
     @property
     def saves_in_flight(self) -> int:
-        """Save jobs submitted whose results ``finished`` has not reported yet."""
-        return len(self._saves)
+        """Save work not done yet: jobs whose results ``finished`` has not taken,
+        requests with refused objects to retry, finishing requests not released."""
+        return len(self._save_reqs) + len(self._retry) + len(self._finishing)
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
 
     def worker_meta(self) -> KVPoolWorkerMetadata | None:
-        if not self._failed_hashes and not self._stored and not self._refused:
+        if not self._failed_hashes and not self._stored:
             return None
-        out = KVPoolWorkerMetadata(self._failed_hashes, self._stored, self._fresh, self._refused)
-        self._failed_hashes, self._stored, self._fresh, self._refused = set(), {}, set(), {}
+        out = KVPoolWorkerMetadata(self._failed_hashes, self._stored, self._fresh)
+        self._failed_hashes, self._stored, self._fresh = set(), {}, set()
         return out
 
     def stats(self) -> TransferStats | None:

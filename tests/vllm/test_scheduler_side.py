@@ -336,7 +336,7 @@ def test_a_finished_request_with_saves_keeps_its_blocks_until_the_workers_releas
 @pytest.mark.parametrize("events, groups", [(True, ["gqa:2"]), (False, ["gqa:2", "gqa:2:w64"])])
 def test_blocks_are_not_kept_where_workers_never_retry(events: bool, groups: list[str]) -> None:
     """KV events on, or a group that frees blocks early (a sliding window): no
-    retries (``WorkerSide._may_retry``), so nothing to wait for."""
+    retries (``WorkerSide.retries_saves``), so nothing to wait for."""
     manager = FakeManager()
     s = SchedulerSide(grouped(groups), ConnectorSettings(), FakeLookup(0), manager, events)
     req = FakeRequest.make("r", 4 * B)

@@ -324,29 +324,29 @@ def test_a_finished_request_is_released_once_its_refused_saves_are_stored() -> N
 def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import kvpool.vllm.worker as worker_module
+    import kvpool.vllm.drain as drain_module
 
     release = threading.Event()
     worker, _, _ = slow_worker(release)
     worker.start_saves(KVPoolMetadata(saves=[ops("a", [1, 2, 3]), ops("p", [4, 5, 6])]))
     release.set()
     deadline = time.monotonic() + 10
-    while worker._save_reqs and time.monotonic() < deadline:  # the first jobs end
+    while worker._book.has_jobs and time.monotonic() < deadline:  # the first jobs end
         worker.finished()
         time.sleep(0.01)
-    assert set(worker._retry) == {"a", "p"}
+    assert worker._book.retrying == {"a", "p"}
     # "p" is preempted (its blocks are freed): its refused objects are dropped.
     # "a" finished; a new save fills staging again, so saves are blocked and its
     # retry waits, past the drain limit.
     release.clear()
-    monkeypatch.setattr(worker_module, "DRAIN_LIMIT_S", 0.0)
+    monkeypatch.setattr(drain_module, "DRAIN_LIMIT_S", 0.0)
     other = RequestOps("x", tuple(ChunkOp(i, bytes([50 + i]) * 8, ((7 + i,),)) for i in range(3)))
     worker.start_saves(
         KVPoolMetadata(saves=[other], freed=frozenset({"p"}), finishing=frozenset({"a"}))
     )
     assert worker.engine is not None and worker.engine.saves_blocked
-    assert "p" not in worker._retry and "a" in worker._retry
-    with caplog.at_level(logging.WARNING, logger="kvpool.vllm.worker"):
+    assert worker._book.retrying == {"a"}
+    with caplog.at_level(logging.WARNING, logger="kvpool.vllm.drain"):
         got: set[str] = set()
         while not got and time.monotonic() < deadline:
             worker.finished()
@@ -389,7 +389,7 @@ def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_re
     def save(w: WorkerSide, blocks: list[int]) -> None:
         w.start_saves(KVPoolMetadata(saves=[ops("s", blocks)]))
         assert w.engine is not None
-        results = w.engine.wait(list(w._save_reqs), timeout=10)
+        results = w.engine.wait(w._book.jobs, timeout=10)
         assert results and all(r.ok for r in results)
 
     one = kv_caches(heads=2)
@@ -443,7 +443,7 @@ def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_al
     w = worker(saved)
     w.start_saves(KVPoolMetadata(saves=[ops("s", [3])]))
     assert w.engine is not None
-    assert all(r.ok for r in w.engine.wait(list(w._save_reqs), timeout=10))
+    assert all(r.ok for r in w.engine.wait(w._book.jobs, timeout=10))
     assert len(store._objects) == 2 * 2  # bands x token classes
     fresh = {n: torch.zeros_like(t) for n, t in saved.items()}
     r = worker(fresh)
@@ -485,9 +485,6 @@ def test_staging_smaller_than_one_chunk_stops_the_engine_at_start_with_the_size_
 def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks() -> None:
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    from kvpool.transfer import JobResult
-
-    refused = JobResult(("save", 0), "save", {}, refused="staging_busy", refused_from=3)
     store = MemoryStore(capacity=1 << 28)
     full = SimpleNamespace(
         num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
@@ -506,7 +503,7 @@ def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks
             identity(), 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
         )
         worker.register(kv_caches())
-        assert worker._may_retry(refused) is retry, (events, config is sliding)
+        assert worker.retries_saves is retry, (events, config is sliding)
         worker.close()
 
 

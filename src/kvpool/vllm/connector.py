@@ -14,7 +14,7 @@ worker refused for local pressure (staging busy: the pool slower than the
 engine) is retried by that worker while the request holds its blocks, so a
 finished request with saves handed over keeps its blocks (``request_finished``
 returns True) until every worker lists it as finished sending: its saves are
-done, or were given up after ``worker.DRAIN_LIMIT_S``.
+done, or were given up after ``drain.DRAIN_LIMIT_S``.
 
 When the pool is not configured or not reachable (no pool file yet, the master
 down), or the model uses something kvpool cannot pool yet, the connector logs

@@ -108,7 +108,7 @@ class SchedulerSide:
         self._events: list[Any] = []
         self.stored_events = 0
         # Workers retry a refused save while vLLM keeps the request's blocks (the
-        # worker's rule, ``WorkerSide._may_retry``): a finished request's blocks are
+        # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
         # then kept until its saves are done.
         self._drains = not events and all(g.every_chunk for g in layout.groups)
         # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off

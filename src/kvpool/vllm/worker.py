@@ -17,7 +17,7 @@
     WorkerSide.released()           finished requests whose blocks vLLM kept
         (``meta.finishing``) and whose saves are now done: no save job in flight
         and no refused object left to retry, or retries given up after
-        ``DRAIN_LIMIT_S``; each reported once (vLLM's finished sending)
+        ``drain.DRAIN_LIMIT_S``; each reported once (vLLM's finished sending)
     WorkerSide.worker_meta()        chunk hashes that failed to load, for the
         scheduler's lookup suppression; and (``events``) the objects per chunk
         hash that this worker's saves put in the pool
@@ -57,20 +57,17 @@ from kvpool.placement import place_kv
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
-from kvpool.transfer.saves import NOTE_INTERVAL_S
+from kvpool.vllm.drain import SaveBook
 from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine, layer_index
 from kvpool.vllm.metadata import NULL_BLOCK, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
-__all__ = ["DRAIN_LIMIT_S", "IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]
+__all__ = ["IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to do
-# A finished request's refused saves are retried this long at most; then its
-# blocks go back to vLLM and those objects stay out of the pool.
-DRAIN_LIMIT_S = 30.0
 # vLLM KV group kinds whose blocks stay with a request until it finishes or is
 # preempted (zero copy relies on it; sliding windows free blocks earlier).
 _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
@@ -122,14 +119,10 @@ class WorkerSide:
         self._saves: dict[object, dict[str, bytes]] = {}  # job -> key -> chunk hash
         self._stored: dict[bytes, int] = {}  # chunk hash -> objects stored
         self._fresh: set[bytes] = set()  # chunk hashes with an object put (not found)
-        # Saves refused for local pressure, to submit again while the request holds
-        # its blocks: job -> its objects (only where retries are allowed), and
-        # request -> the objects to retry
-        self._save_refs: dict[object, list[ChunkRef]] = {}
-        self._retry: dict[str, list[ChunkRef]] = {}
-        self._finishing: dict[str, float] = {}  # finished, blocks kept -> retry deadline
+        # Save jobs by request, refused objects to retry, finishing requests (set
+        # up in ``register``, once the groups tell whether retries are allowed)
+        self._book = SaveBook(retries=False)
         self._released: set[str] = set()  # to report as finished sending
-        self._gave_up_noted = -NOTE_INTERVAL_S
         self._frees_early = False  # some KV group frees blocks of running requests
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
@@ -139,12 +132,10 @@ class WorkerSide:
         # Per local group: (shard, engine group index) for each shard this rank holds
         # (one per local KV head; the engine describes each head's view of the tensors).
         self._shards: dict[int, list[tuple[ContentId, int]]] = {}
-        # Saves in flight by request (zero copy waits for those of freed requests; a
-        # finishing request is released once none is left); zero_copy: the store whose memory
-        # holds the KV cache (kept open until close: the KV tensors live there),
-        # and results taken early by ``flush_saves`` for the next ``finished``.
+        # zero_copy: the store whose memory holds the KV cache (kept open until
+        # close: the KV tensors live there), and results taken early by
+        # ``flush_saves`` for the next ``finished``.
         self._kv_home: KVStore | None = None
-        self._save_reqs: dict[object, str] = {}
         self._early: list[JobResult] = []
         self._lock = threading.Lock()
         self._reopening = False  # a background open runs
@@ -174,6 +165,7 @@ class WorkerSide:
             return
         self._groups = groups
         self._frees_early = bool(self._blocks_freed_early())
+        self._book = SaveBook(retries=not self._events and not self._frees_early)
         try:
             self.store, self.engine = self._open()
         except ConfigError:
@@ -309,9 +301,7 @@ class WorkerSide:
         engine, store = self.engine, self.store
         self.engine = self.store = None
         self._saves.clear()  # the retired engine reports no more saves
-        self._save_reqs.clear()
-        self._save_refs.clear()
-        self._retry.clear()  # its refusals: the pool is gone meanwhile
+        self._book.clear()  # its jobs report no more; its refusals: the pool is gone
         engine.abandon_loads()
         stale = engine.poll()
         self._retired = self._retired + engine.stats()
@@ -400,12 +390,8 @@ class WorkerSide:
             self.engine.submit_load(job, [r for r, _ in refs])
 
     def start_saves(self, meta: KVPoolMetadata) -> None:
-        if meta.finishing:
-            until = time.monotonic() + DRAIN_LIMIT_S
-            for req_id in meta.finishing:
-                self._finishing.setdefault(req_id, until)
-        for req_id in meta.freed:  # its blocks may hold other bytes from now on
-            self._retry.pop(req_id, None)
+        self._book.finishing(meta.finishing, time.monotonic())
+        self._book.freed(meta.freed)  # their blocks may hold other bytes from now on
         if self.engine is None:
             return
         for ops in meta.saves:
@@ -413,9 +399,8 @@ class WorkerSide:
             if pairs:
                 hashes = {r.key: h for r, h in pairs} if self._events else None
                 self._submit_save(ops.req_id, [r for r, _ in pairs], hashes)
-        if self._retry and not self.engine.saves_blocked:
-            retry, self._retry = self._retry, {}
-            for req_id, refs in retry.items():
+        if self._book.pending_retries and not self.engine.saves_blocked:
+            for req_id, refs in self._book.take_retries().items():
                 self._submit_save(req_id, refs, None)
 
     def _submit_save(
@@ -425,23 +410,22 @@ class WorkerSide:
         job = ("save", next(self._jobs))
         if hashes is not None:
             self._saves[job] = hashes
-        self._save_reqs[job] = req_id
-        if not self._events and not self._frees_early:  # see _may_retry
-            self._save_refs[job] = refs
+        self._book.submitted(job, req_id, refs)
         self.engine.submit_save(job, refs)
 
     def flush_saves(self, freed: frozenset[str]) -> None:
         """Zero copy: wait for the saves still reading blocks of ``freed`` requests,
         before this step's forward may overwrite those blocks."""
-        if not freed or not self._save_reqs or self.engine is None or not self.engine.zero_copy:
+        if not freed or not self._book.has_jobs or self.engine is None:
+            return
+        if not self.engine.zero_copy:
             return  # staged saves copied their blocks when they were submitted
-        jobs = [j for j, r in self._save_reqs.items() if r in freed]
+        jobs = self._book.jobs_of(freed)
         if not jobs:
             return
         start = time.perf_counter()
         self._early += self.engine.wait(jobs)
-        for j in jobs:
-            self._save_reqs.pop(j, None)
+        self._book.drop_jobs(jobs)  # freed: their refusals are not retried
         logger.debug(
             "kvpool: waited %.1f ms for %d save(s) of freed requests",
             (time.perf_counter() - start) * 1e3,
@@ -457,17 +441,14 @@ class WorkerSide:
         """
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
-        if idle and (self._loads or self._finishing) and self.engine is not None:
+        if idle and (self._loads or self._book.has_finishing) and self.engine is not None:
             self.engine.wait_any(IDLE_WAIT_S)
         results, self._early = self._early, []
         results += self.engine.poll() if self.engine is not None else []
         results += self._check_store(results)
         for result in results:
             if result.kind != "load":
-                req = self._save_reqs.pop(result.job_id, None)
-                refs = self._save_refs.pop(result.job_id, None)
-                if req is not None and refs and result.refused is not None:
-                    self._keep_refused(req, refs, result)
+                self._book.ended(result.job_id, result)
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
@@ -495,57 +476,23 @@ class WorkerSide:
                     req_id,
                     ", ".join(causes),
                 )
-        self._release_done()
+        self._released |= self._book.release(time.monotonic(), pool=self.engine is not None)
         return done, failed
-
-    def _keep_refused(self, req_id: str, refs: list[ChunkRef], result: JobResult) -> None:
-        """Remember a save's refused objects, to submit again (``_may_retry``)."""
-        if not self._may_retry(result):
-            return
-        known = set(result.known)
-        again = [r for r in refs if r.key not in result.statuses and r.key not in known]
-        if again:
-            self._retry.setdefault(req_id, []).extend(again)
-
-    def _release_done(self) -> None:
-        """Finishing requests with no save in flight and nothing left to retry (or
-        past their deadline, or with no pool to retry on) go to ``released``."""
-        if not self._finishing:
-            return
-        now = time.monotonic()
-        busy = set(self._save_reqs.values())
-        for req_id, until in list(self._finishing.items()):
-            if req_id in busy:  # a save may still read its blocks (zero copy) or refuse
-                continue
-            if req_id in self._retry and self.engine is not None and now < until:
-                continue
-            left = self._retry.pop(req_id, None)
-            if left and now - self._gave_up_noted >= NOTE_INTERVAL_S:
-                self._gave_up_noted = now
-                logger.warning(
-                    "kvpool: gave up saving %d object(s) of %s after %.0f s: the pool took "
-                    "too few puts meanwhile (staging busy or backing off); raise "
-                    "staging_bytes if the pool is healthy but slower than the engine",
-                    len(left),
-                    req_id,
-                    DRAIN_LIMIT_S,
-                )
-            del self._finishing[req_id]
-            self._released.add(req_id)
 
     def released(self) -> set[str]:
         """Finishing requests whose saves are done, each once (see the module docstring)."""
         out, self._released = self._released, set()
         return out
 
-    def _may_retry(self, result: JobResult) -> bool:
-        """Whether a refused save may be submitted again: the refusal was local
-        pressure, every group keeps a running request's blocks (sliding windows
-        and Mamba states move on, so a later step would read other bytes under
-        the chunk's key), and KV events are off (a retry's report could count
-        an object twice, completing a chunk early). The scheduler keeps a
-        finished request's blocks by the same rule (``SchedulerSide.finish``)."""
-        return result.retry and not self._events and not self._frees_early
+    @property
+    def retries_saves(self) -> bool:
+        """Whether saves refused for local pressure are submitted again: every group
+        keeps a running request's blocks (sliding windows and Mamba states move
+        on, so a later step would read other bytes under the chunk's key), and KV
+        events are off (a retry's report could count an object twice, completing
+        a chunk early). The scheduler keeps a finished request's blocks by the
+        same rule (``SchedulerSide.finish``)."""
+        return self._book.retries
 
     def _note_stored(self, result: JobResult) -> None:
         hashes = self._saves.pop(result.job_id, None)
@@ -561,7 +508,7 @@ class WorkerSide:
     def saves_in_flight(self) -> int:
         """Save work not done yet: jobs whose results ``finished`` has not taken,
         requests with refused objects to retry, finishing requests not released."""
-        return len(self._save_reqs) + len(self._retry) + len(self._finishing)
+        return self._book.outstanding
 
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

@@ -125,3 +125,40 @@ def test_a_mamba_hybrid_without_prefix_caching_serves_with_the_connector_idle(
     assert "stays idle" in a["log"]
     assert_same_outputs(a, base)
     assert not a["connector"].get("bytes_saved")  # nothing saved (no counters at all)
+
+
+def test_mamba_states_at_granite_4_h_tiny_size_round_trip_exactly(
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Granite-4.0-H-Tiny's Mamba state (hidden 1536, 48 heads of 64 channels,
+    state 128: ~0.8 MiB per layer in bf16) beside one attention layer of 4 KV
+    heads x 128. vLLM pads the attention page to the state's, so a block, and a
+    chunk, is 832 tokens here. A fresh engine loads the 832-token prefix of a
+    1,000-token prompt (4 attention objects and 3 states) and answers exactly as
+    an engine without kvpool."""
+    from kvpool.demo.tiny_model import build_tiny_granite_hybrid
+
+    model = build_tiny_granite_hybrid(
+        tmp_path_factory.mktemp("granite-4-h-tiny-state"),
+        hidden=1536, heads=12, kv_heads=4, mamba_heads=48, mamba_d_state=128,
+    )  # fmt: skip
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    rng = random.Random(3)
+    long = [rng.randrange(10, 1000) for _ in range(1000)]
+
+    def run(connector: str) -> dict[str, Any]:
+        s = dict(mamba_spec(model, connector, pool_file if connector == "kvpool" else ""),
+                 prompts=[long, long], dtype="bfloat16", max_tokens=4)  # fmt: skip
+        return run_engine(s)
+
+    base, a, b = run("none"), run("kvpool"), run("kvpool")
+    assert [r["cached_tokens"] for r in base["results"]] == [0, 832]  # vLLM's own block
+    assert [r["cached_tokens"] for r in b["results"]] == [832, 832]  # the pool, then local
+    assert_same_outputs(a, base)
+    assert_same_outputs(b, base)
+    stats = b["connector"]
+    assert stats["chunks_loaded"] == 4 + MAMBA_LAYERS and not stats["failures"]
+    assert stats["bytes_loaded"] > MAMBA_LAYERS * 48 * 64 * 128 * 2  # the ssm states alone

@@ -188,14 +188,20 @@ def build_tiny_granite_hybrid(
     hidden: int = 128,
     heads: int = 4,
     kv_heads: int = 2,
+    mamba_heads: int = 8,
+    mamba_d_state: int = 16,
     seed: int = 0,
 ) -> Path:
     """Write a random Granite-4-style hybrid (``GraniteMoeHybridForCausalLM``, no
     experts): Mamba-2 layers, every ``attention_every``-th one attention, and the
-    tokenizer into ``folder``."""
+    tokenizer into ``folder``. A Mamba layer's state: ``mamba_heads`` heads of
+    ``2 * hidden / mamba_heads`` channels by ``mamba_d_state`` (Granite-4.0-H-Tiny:
+    hidden 1536, 48 heads, state 128)."""
     folder = Path(folder)
     spec = {"arch": "granitemoehybrid", "layers": layers, "attention_every": attention_every,
-            "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed}  # fmt: skip
+            "hidden": hidden, "heads": heads, "kv_heads": kv_heads, "seed": seed,
+            **({"mamba_heads": mamba_heads, "mamba_d_state": mamba_d_state}
+               if (mamba_heads, mamba_d_state) != (8, 16) else {})}  # fmt: skip
     kinds = ["attention" if (i + 1) % attention_every == 0 else "mamba" for i in range(layers)]
 
     def make(tok: Any) -> Any:
@@ -212,10 +218,10 @@ def build_tiny_granite_hybrid(
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
                 layer_types=kinds,
-                mamba_n_heads=8,
+                mamba_n_heads=mamba_heads,
                 mamba_n_groups=1,
-                mamba_d_state=16,
-                mamba_d_head=hidden * 2 // 8,
+                mamba_d_state=mamba_d_state,
+                mamba_d_head=hidden * 2 // mamba_heads,
                 mamba_d_conv=4,
                 mamba_expand=2,
                 position_embedding_type="rope",

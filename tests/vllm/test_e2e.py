@@ -418,6 +418,29 @@ def test_saves_refused_by_a_pool_slower_than_the_engine_still_land_after_the_req
     assert "failed" not in b["log"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_finished_requests_give_their_blocks_back_once_their_saves_are_done(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path, tp: int
+) -> None:
+    """vLLM keeps a finished request's blocks until every worker lists it as
+    finished sending (kvpool's saves done). A KV cache of 40 blocks serves six
+    prompts of 16 blocks each, one after the other, only if each request's
+    blocks come back: a request never released would leave the next one waiting
+    for blocks for ever (at TP2, both ranks must report it)."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    rng = random.Random(5)
+    many = [[rng.randrange(10, 1000) for _ in range(16 * BLOCK)] for _ in range(6)]
+    small: dict[str, Any] = {"prompts": many, "max_tokens": 2, "num_blocks": 40,
+                             "max_model_len": 1024}  # fmt: skip
+    if tp > 1:
+        small.update(tp=tp, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    base = run_engine(spec(tiny_model, "none", **small))
+    a = run_engine(spec(tiny_model, "kvpool", pool_file, **small))
+    assert [r["tokens"] for r in a["results"]] == [r["tokens"] for r in base["results"]]
+    keys, chunks = pool_objects(local_pool, many)
+    assert len(keys) == chunks * TINY_KV_HEADS == 6 * 16 * TINY_KV_HEADS  # all saved
+
+
 def test_a_typo_in_the_connector_settings_stops_the_engine_at_start(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

@@ -7,7 +7,7 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
        "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
        "pp": 1, "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool,
-       "max_num_batched_tokens": n}
+       "max_num_batched_tokens": n, "num_blocks": n}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 With ``"settle_saves": true`` the engine keeps stepping after the last prompt
@@ -112,6 +112,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # Mamba hybrids on vLLM's CPU build: one block per step (its SSD kernel
         # returns no states inside a step, which prefix caching then needs).
         max_num_batched_tokens=spec.get("max_num_batched_tokens"),  # None: vLLM's default
+        num_gpu_blocks_override=spec.get("num_blocks"),  # None: as memory allows
         kv_transfer_config=transfer,
         kv_events_config=events,
         tensor_parallel_size=spec.get("tp", 1),

@@ -111,6 +111,27 @@ def test_a_mamba_hybrid_loads_attention_and_the_state_at_the_hit_from_the_pool(
     assert not stats["failures"]
 
 
+def test_at_tp2_each_rank_pools_its_own_slice_of_the_mamba_state(
+    tiny_granite: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """TP2 shards each Mamba layer's state (heads) and the attention KV heads over
+    two ranks: each rank writes and reads its own objects, one state slice per
+    layer and rank. A fresh TP2 engine loads the shared prefix and answers exactly
+    as the TP2 engine that computed it."""
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    tp2 = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    a = run_engine(dict(mamba_spec(tiny_granite, "kvpool", pool_file), **tp2))
+    keys = [parse_key(k) for k in master_keys(local_pool.config().metrics_url)]
+    # 4 attention chunks of 2 KV heads (one per rank); 3 layers x 2 slices of the state.
+    assert len(keys) == 4 * KV_HEADS + MAMBA_LAYERS * 2
+    b = run_engine(dict(mamba_spec(tiny_granite, "kvpool", pool_file), **tp2))
+    assert [r["cached_tokens"] for r in b["results"]] == [256, 256, 256]
+    assert_same_outputs(b, a)
+
+
 def test_a_mamba_hybrid_without_prefix_caching_serves_with_the_connector_idle(
     tiny_granite: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:

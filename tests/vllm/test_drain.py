@@ -77,3 +77,27 @@ def test_a_finishing_request_is_released_once_nothing_of_it_is_left(
     book.finishing(["u"], now=100.0)
     assert book.release(now=100.0, pool=False) == {"u"}
     assert book.jobs == ["j2"] and book.outstanding == 1
+
+
+def test_a_refusal_reported_after_the_blocks_were_freed_never_goes_again() -> None:
+    """A staged job refused part-way reports after its earlier pieces' puts; by then
+    vLLM may have preempted the request and given its blocks to another: a retry
+    would save that request's KV under this one's keys."""
+    book = SaveBook(retries=True)
+    book.submitted("j", "r", refs("a", "b"))
+    book.freed(["r"])
+    assert book.ended("j", result("j", {"a": Status.OK}, refused="staging_busy")) == "r"
+    assert book.take_retries() == {}
+
+
+def test_past_the_limit_a_staged_job_in_flight_no_longer_holds_its_request() -> None:
+    """A put that never returns must not keep a finished request's blocks for ever:
+    a staged save read them at submit. A zero-copy save reads them until it ends."""
+    for zero_copy, released in ((False, {"r"}), (True, set())):
+        book = SaveBook(retries=True, zero_copy=zero_copy)
+        book.submitted("j", "r", refs("a", "b"))
+        book.finishing(["r"], now=0.0)
+        assert book.release(now=DRAIN_LIMIT_S / 2) == set()
+        assert book.release(now=DRAIN_LIMIT_S) == released
+        book.ended("j", result("j", {"a": Status.OK}, refused="staging_busy"))
+        assert book.take_retries() == ({} if released else {"r": refs("a", "b")[1:]})

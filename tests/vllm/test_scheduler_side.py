@@ -333,6 +333,24 @@ def test_a_finished_request_with_saves_keeps_its_blocks_until_the_workers_releas
     assert s.build_meta(step([], {})).finishing == frozenset()  # named once
 
 
+def test_a_request_ending_while_its_load_runs_is_left_to_vllm() -> None:
+    """vLLM keeps the blocks of a request aborted in WAITING_FOR_REMOTE_KVS and frees
+    them when the load is reported; kvpool holding them too would free them twice."""
+    s, _, manager = side(hit=4 * B)
+    for rid in ("r", "q"):
+        req = FakeRequest.make(rid, 8 * B)
+        s.matched_tokens(req, 0)
+        s.after_alloc(req, 4 * B)
+        manager.tables[rid] = (list(range(8)),)
+    assert len(s.build_meta(step([], {})).loads) == 2
+    state = s._requests["r"]
+    state.saved = 2  # saves handed over before (e.g. before a preemption)
+    s._requests["q"].saved = 2
+    assert s.finish("r") is False  # its load is still in flight
+    s.loads_ended({"q"})
+    assert s.finish("q") is True
+
+
 @pytest.mark.parametrize("events, groups", [(True, ["gqa:2"]), (False, ["gqa:2", "gqa:2:w64"])])
 def test_blocks_are_not_kept_where_workers_never_retry(events: bool, groups: list[str]) -> None:
     """KV events on, or a group that frees blocks early (a sliding window): no

@@ -549,3 +549,14 @@ def test_a_worker_whose_connector_stayed_idle_still_ends_what_the_scheduler_plan
     assert connector.get_block_ids_with_load_errors() == {4, 5}
     assert connector.get_block_ids_with_load_errors() == set()  # reported once
     assert connector.get_finished(set()) == ({"f"}, {"l"})
+
+
+def test_a_finishing_request_is_noted_at_load_time_too() -> None:
+    """vLLM may skip a rank's ``wait_for_save`` (spec decode defers it; a non-last
+    PP rank may return early): finishing requests are noted from ``start_loads``
+    as well, so every rank reports them."""
+    worker, _, _ = slow_worker(threading.Event())
+    worker.start_loads(KVPoolMetadata(finishing=frozenset({"x"})))
+    worker.finished()
+    assert worker.released() == {"x"}
+    worker.close()

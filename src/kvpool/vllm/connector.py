@@ -254,6 +254,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._sched is not None:
+            self._sched.loads_ended(connector_output.finished_recving)
             self._sched.worker_output(connector_output.kv_connector_worker_meta)
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -16,7 +16,9 @@ requests whose blocks vLLM keeps until their saves are done.
     book.take_retries()        {request: objects} to submit again now (the caller
                                checks that saves are not blocked)
     book.release(now, pool)    the finishing requests done now, each once; with
-                               no pool (``pool=False``) nothing is retried
+                               no pool (``pool=False``) nothing is retried; past
+                               the limit a staged job still in flight no longer
+                               holds its request (it read its blocks at submit)
     book.jobs_of(reqs) / book.drop_jobs(jobs)   zero copy's flush of freed requests
     book.jobs, book.retrying    save jobs in flight; requests with objects to retry
     book.clear()               the transfer engine was retired: no job reports
@@ -38,15 +40,16 @@ logger = logging.getLogger(__name__)
 
 # A finished request's refused saves are retried this long at most; then its
 # blocks go back to vLLM and those objects stay out of the pool.
-DRAIN_LIMIT_S = 30.0
+DRAIN_LIMIT_S = 15.0
 NOTE_INTERVAL_S = 60.0  # one "gave up" line at most this often
 
 
 class SaveBook:
     """See the module docstring."""
 
-    def __init__(self, retries: bool) -> None:
+    def __init__(self, retries: bool, zero_copy: bool = False) -> None:
         self.retries = retries
+        self.zero_copy = zero_copy  # jobs read blocks until they end (not only at submit)
         self._reqs: dict[Hashable, str] = {}  # job in flight -> request
         self._refs: dict[Hashable, list[ChunkRef]] = {}  # job -> its objects (retries on)
         self._retry: dict[str, list[ChunkRef]] = {}  # request -> objects to submit again
@@ -72,8 +75,14 @@ class SaveBook:
         return req_id
 
     def freed(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
+        """Their blocks may hold other bytes now: nothing of them goes again, not
+        even what a job still in flight reports refused later."""
+        gone = set(req_ids)
+        for req_id in gone:
             self._retry.pop(req_id, None)
+        if gone:
+            for job in [j for j, r in self._reqs.items() if r in gone]:
+                self._refs.pop(job, None)
 
     def finishing(self, req_ids: Iterable[str], now: float) -> None:
         for req_id in req_ids:
@@ -89,11 +98,15 @@ class SaveBook:
         busy = set(self._reqs.values())
         done: set[str] = set()
         for req_id, until in list(self._finishing.items()):
-            if req_id in busy:  # a save may still read its blocks (zero copy) or refuse
+            late = now >= until or not pool
+            # A zero-copy save reads its blocks until it ends; a staged one read them
+            # at submit, so past the limit (a put that never returns) it is left behind.
+            if req_id in busy and (self.zero_copy or not late):
                 continue
-            if req_id in self._retry and pool and now < until:
+            if req_id in self._retry and not late:
                 continue
             left = self._retry.pop(req_id, None)
+            self.freed([req_id])  # what its jobs in flight refuse later stays out
             if left and now - self._noted >= NOTE_INTERVAL_S:
                 self._noted = now
                 logger.warning(

@@ -10,8 +10,11 @@
         request is never in both
     SchedulerSide.finish(req_id)  drop a finished request's state; True when
         vLLM must keep its blocks until the workers report its saves done (it
-        had saves handed over, and workers retry refused saves: no KV events,
-        every group keeps its blocks); the next step's ``finishing`` names it
+        had saves handed over, no load of it is in flight, and workers retry
+        refused saves: no KV events, every group keeps its blocks); the next
+        step's ``finishing`` names it
+    SchedulerSide.loads_ended(req_ids)  loads reported finished (vLLM's
+        ``finished_recving``)
     SchedulerSide.forget(req_id)  drop a request's state (and cancel its async
         lookup)
     SchedulerSide.worker_output(meta)  chunk hashes whose load failed are
@@ -117,6 +120,7 @@ class SchedulerSide:
             g for g, spec in enumerate(layout.groups) if spec.kind is GroupKind.MAMBA
         )
         self._finishing: set[str] = set()  # finished, blocks kept: for the next step
+        self._loading: set[str] = set()  # loads sent, not yet reported finished
 
     # -- lookups ---------------------------------------------------------------
 
@@ -210,6 +214,7 @@ class SchedulerSide:
             a, b = state.load
             state.load = None
             meta.loads.append(RequestOps(req_id, self._chunk_ops(state, a, b)))
+            self._loading.add(req_id)
             # Loaded chunks stay in the save plan: the workers skip keys they just
             # loaded without a store call, and a chunk whose load failed is saved
             # again once vLLM has recomputed it.
@@ -347,6 +352,12 @@ class SchedulerSide:
         worker lists it as finished sending (see the module docstring)."""
         state = self._requests.get(req_id)
         self.forget(req_id)
+        if req_id in self._loading:
+            # vLLM itself keeps the blocks of a request aborted while its load runs,
+            # and frees them when the load is reported: a second hold would free
+            # them twice.
+            self._loading.discard(req_id)
+            return False
         if not self._drains or state is None or state.saved == 0:
             return False
         self._finishing.add(req_id)
@@ -359,6 +370,10 @@ class SchedulerSide:
         if req_id in self._async_started:
             self._async_started.discard(req_id)
             self.lookup.cancel(req_id)
+
+    def loads_ended(self, req_ids: Any) -> None:
+        """Requests whose load the workers reported finished (or failed)."""
+        self._loading.difference_update(req_ids or ())
 
     def worker_output(self, meta: Any) -> None:
         if isinstance(meta, KVPoolWorkerMetadata) and meta.stored and self.events:

@@ -165,7 +165,9 @@ class WorkerSide:
             return
         self._groups = groups
         self._frees_early = bool(self._blocks_freed_early())
-        self._book = SaveBook(retries=not self._events and not self._frees_early)
+        self._book = SaveBook(
+            retries=not self._events and not self._frees_early, zero_copy=self.settings.zero_copy
+        )
         try:
             self.store, self.engine = self._open()
         except ConfigError:
@@ -377,7 +379,14 @@ class WorkerSide:
                     refs.append((ref, c.chunk_hash))
         return refs
 
+    def _requests_ended(self, meta: KVPoolMetadata) -> None:
+        """Finishing and freed requests of this step; from ``start_loads`` and
+        ``start_saves`` alike (vLLM may skip the latter on some ranks)."""
+        self._book.finishing(meta.finishing, time.monotonic())
+        self._book.freed(meta.freed)  # their blocks may hold other bytes from now on
+
     def start_loads(self, meta: KVPoolMetadata) -> None:
+        self._requests_ended(meta)
         for ops in meta.loads:
             if self.engine is None:
                 self._unfinished_without_engine.add(ops.req_id)
@@ -390,8 +399,7 @@ class WorkerSide:
             self.engine.submit_load(job, [r for r, _ in refs])
 
     def start_saves(self, meta: KVPoolMetadata) -> None:
-        self._book.finishing(meta.finishing, time.monotonic())
-        self._book.freed(meta.freed)  # their blocks may hold other bytes from now on
+        self._requests_ended(meta)
         if self.engine is None:
             return
         for ops in meta.saves:

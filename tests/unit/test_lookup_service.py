@@ -931,13 +931,21 @@ def _group_keys(layout: Layout, space: KeySpace, group: int, hashes: Sequence[by
     return [space.key(c, h) for h in hashes for c in layout.contents(group)]
 
 
-def test_a_sliding_window_group_needs_only_its_window_before_the_hit(service: Service) -> None:
-    space = space_of(WINDOWED)
+def filled(
+    service: Service, layout: Layout, chunks: int
+) -> tuple[KeySpace, HoleyStore, LookupClient, list[bytes]]:
+    """A lookup server over a ``HoleyStore`` holding every object of ``chunks``
+    chunks: (key space, store, client, chunk hashes)."""
+    space = space_of(layout)
     store = HoleyStore()
-    service.server(store, WINDOWED, space)
-    client = service.client()
-    hashes = chunk_hashes(20)
-    put_chunks(store, WINDOWED, space, hashes)
+    service.server(store, layout, space)
+    hashes = chunk_hashes(chunks)
+    put_chunks(store, layout, space, hashes)
+    return space, store, service.client(), hashes
+
+
+def test_a_sliding_window_group_needs_only_its_window_before_the_hit(service: Service) -> None:
+    space, store, client, hashes = filled(service, WINDOWED, 20)
     tokens = 20 * CHUNK + 1
     assert client.lookup("r", hashes, tokens) == 20 * CHUNK
     # The window's group lost its old chunks (as an engine whose sliding window
@@ -958,12 +966,7 @@ def test_a_sliding_window_group_needs_only_its_window_before_the_hit(service: Se
 
 
 def test_an_unreadable_window_chunk_is_reported_not_guessed(service: Service) -> None:
-    space = space_of(WINDOWED)
-    store = HoleyStore()
-    service.server(store, WINDOWED, space)
-    client = service.client()
-    hashes = chunk_hashes(8)
-    put_chunks(store, WINDOWED, space, hashes)
+    space, store, client, hashes = filled(service, WINDOWED, 8)
     store.down = set(_group_keys(WINDOWED, space, 0, hashes[7:8]))
     assert client.lookup("r", hashes, 8 * CHUNK + 1) == 0  # an error reply reads as a miss
 
@@ -976,12 +979,7 @@ def test_a_mamba_group_needs_only_the_state_after_the_hit(service: Service) -> N
     """States exist only where an engine step ended (vLLM's hand-offs): the hit
     ends at the last chunk whose every Mamba group has its state, inside the
     attention prefix and with the window's chunks before it."""
-    space = space_of(MAMBA_MIX)
-    store = HoleyStore()
-    service.server(store, MAMBA_MIX, space)
-    client = service.client()
-    hashes = chunk_hashes(20)
-    put_chunks(store, MAMBA_MIX, space, hashes)
+    space, store, client, hashes = filled(service, MAMBA_MIX, 20)
     tokens = 20 * CHUNK + 1
     assert client.lookup("r", hashes, tokens) == 20 * CHUNK
     states = set(_group_keys(MAMBA_MIX, space, 0, hashes)) | set(

@@ -27,8 +27,8 @@ from kvpool.vllm.worker import WorkerSide
 B, NB = 32, 16  # tokens per block, blocks
 
 
-def identity(tp: int = 1, kv_heads: int = 1) -> EngineIdentity:
-    layout = Layout.create(tp=tp, groups=[f"gqa:{kv_heads}"])
+def identity(tp: int = 1, kv_heads: int = 1, window: int = 0) -> EngineIdentity:
+    layout = Layout.create(tp=tp, groups=[f"gqa:{kv_heads}" + (f":w{window}" if window else "")])
     space = KeySpace.create(
         model="m",
         layout=layout,
@@ -499,8 +499,9 @@ def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks
         (full, True, False),
         (sliding, False, False),
     ):
+        ident = identity(window=64 if config is sliding else 0)  # as vLLM's groups say
         worker = WorkerSide(
-            identity(), 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
+            ident, 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
         )
         worker.register(kv_caches())
         assert worker.retries_saves is retry, (events, config is sliding)

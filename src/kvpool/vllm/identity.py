@@ -54,6 +54,12 @@ class EngineIdentity:
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.block_size
 
+    @property
+    def keeps_blocks(self) -> bool:
+        """Every KV group keeps a running request's blocks until it finishes or is
+        preempted (no sliding window, no Mamba state moving on), on every rank."""
+        return all(g.every_chunk for g in self.layout.groups)
+
 
 def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:
     """Map a vLLM KVCacheSpec to a kvpool group kind (by class, duck-typed).

@@ -113,7 +113,7 @@ class SchedulerSide:
         # Workers retry a refused save while vLLM keeps the request's blocks (the
         # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
         # then kept until its saves are done.
-        self._drains = not events and all(g.every_chunk for g in layout.groups)
+        self._drains = not events and identity.keeps_blocks
         # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off
         # (the block holding the state after exactly that chunk), never by position.
         self._states = frozenset(
@@ -261,18 +261,13 @@ class SchedulerSide:
         ids = self.kv_cache_manager.get_block_ids(state.request.request_id)
         m = self.identity.blocks_per_chunk
         names = self._chain(state.request)
-        if states is None:
-            return tuple(
-                ChunkOp(k, names[k], tuple(tuple(g[k * m : (k + 1) * m]) for g in ids))
-                for k in range(a, b)
-            )
-        extra = {k for _, k in states if not a <= k < b and (k + 1) * self.identity.chunk_size
+        extra = {k for _, k in states or () if not a <= k < b and (k + 1) * self.identity.chunk_size
                  <= limit and k < len(names)}  # fmt: skip
         ops = []
         for k in sorted(set(range(a, b)) | extra):
             blocks: list[tuple[int, ...]] = []
             for g, table in enumerate(ids):
-                if g in self._states:
+                if states is not None and g in self._states:
                     blocks.append((states.get((g, k), NULL_BLOCK),))
                 elif a <= k < b:
                     blocks.append(tuple(table[k * m : (k + 1) * m]))

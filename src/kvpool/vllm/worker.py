@@ -123,7 +123,6 @@ class WorkerSide:
         # up in ``register``, once the groups tell whether retries are allowed)
         self._book = SaveBook(retries=False)
         self._released: set[str] = set()  # to report as finished sending
-        self._frees_early = False  # some KV group frees blocks of running requests
         self._unfinished_without_engine: set[str] = set()
         self._last_stats = TransferStats()
         self._last_version = -1  # of the engine that _last_stats came from
@@ -164,9 +163,9 @@ class WorkerSide:
             )
             return
         self._groups = groups
-        self._frees_early = bool(self._blocks_freed_early())
         self._book = SaveBook(
-            retries=not self._events and not self._frees_early, zero_copy=self.settings.zero_copy
+            retries=not self._events and self.identity.keeps_blocks,
+            zero_copy=self.settings.zero_copy,
         )
         try:
             self.store, self.engine = self._open()

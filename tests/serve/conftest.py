@@ -1,10 +1,18 @@
 """Fixtures for the serve tier: real ``vllm serve`` processes on loopback.
 
 tiny_model      a random Llama built once per session (offline)
-serve           ``serve(name, extra_args, wait_health=True, connector={}) -> VllmServer``:
-                starts ``vllm serve`` with kvpool on the test's pool (``connector``:
-                more kv_connector_extra_config); every server it started is
-                stopped at teardown
+real_kv_model   a random Llama with Llama-3-8B's KV shape (32 layers, 8 KV heads of 128;
+                hidden size 128), built once per session
+serve           ``serve(name, extra_args, wait_health=True, connector={}, model=None,
+                dtype="float32", kv_cache="128M", env={}) -> VllmServer``: starts ``vllm serve``
+                (``model``: tiny_model when None) with kvpool on the test's pool
+                (``connector``: more kv_connector_extra_config); every server it
+                started is stopped at teardown
+
+Every server reserves the same CPUs for vLLM's other processes
+(``VLLM_CPU_NUM_OF_RESERVED_CPU``): vLLM reserves one more core per worker when any
+KV connector is configured, and a different OpenMP thread count changes the
+rounding of every forward (bfloat16 answers by ~0.1 in logprobs on AMX hosts).
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ Serve: TypeAlias = Callable[..., VllmServer]
 
 # A small engine that starts fast on the CPU: eager mode, a fixed KV cache size
 # (the CPU backend otherwise reserves most of the machine's memory per engine).
-ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--kv-cache-memory-bytes", "128M",
-               "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "4"]  # fmt: skip
+ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--enforce-eager",
+               "--max-num-seqs", "4"]  # fmt: skip
+RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _free_port() -> int:
@@ -42,6 +51,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def real_kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvpool.demo.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("real-kv-llama"), layers=32, heads=8, kv_heads=8, head_dim=128
+    )
+
+
 @pytest.fixture
 def serve(tiny_model: Path, local_pool: LocalPool, tmp_path: Path) -> Iterator[Serve]:
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
@@ -52,12 +70,24 @@ def serve(tiny_model: Path, local_pool: LocalPool, tmp_path: Path) -> Iterator[S
         extra_args: Sequence[str] = (),
         wait_health: bool = True,
         connector: dict[str, Any] | None = None,
+        model: Path | None = None,
+        dtype: str = "float32",
+        kv_cache: str = "128M",
+        env: dict[str, str] | None = None,
     ) -> VllmServer:
         # These tests assert hits: a lookup must not miss its 50 ms default deadline
         # because a loaded CI machine scheduled the engine late (seen once).
         config = kv_transfer_config(pool_file, **{"lookup_timeout_ms": 2000, **(connector or {})})
-        args = [*ENGINE_ARGS, "--kv-transfer-config", config, *extra_args]
-        server = VllmServer(tiny_model, tmp_path, _free_port(), args, name=name)
+        args = [*ENGINE_ARGS, "--dtype", dtype, "--kv-cache-memory-bytes", kv_cache,
+                "--kv-transfer-config", config, *extra_args]  # fmt: skip
+        server = VllmServer(
+            model or tiny_model,
+            tmp_path,
+            _free_port(),
+            args,
+            name=name,
+            env={**RESERVED_CPUS, **(env or {})},
+        )
         servers.append(server)
         server.start(timeout_s=420, wait_health=wait_health)
         return server

@@ -4,10 +4,17 @@ Each server is the OpenAI API server with vLLM's multiprocess engine core. A
 request goes to a chosen DP engine by the ``X-data-parallel-rank`` header; the
 cached-token count is the server's own (``--enable-prompt-tokens-details``).
 A DP engine that never saw a prompt can only have it cached from the pool.
+
+Answers are compared with a local prefix-cache hit of the same prefix: the same
+tokens computed on top of the same cached blocks. (A cold prefill splits the work
+differently; in bfloat16 that moves logprobs by ~0.1 on AMX hosts.) The models
+have a real KV shape (Llama-3-8B's: 32 layers, 8 KV heads of 128) and run in
+bfloat16 as served models do, unless a test says otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 import socket
@@ -16,11 +23,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from kvpool.amx import cpu_has_amx
 from kvpool.demo.server import Completion, VllmServer, vllm_command
+from kvpool.pool import wait_until
 
 Serve = Callable[..., VllmServer]
 
+BLOCK = 32
 PREFIX = 256  # tokens every test prompt shares with nothing else: 8 blocks of 32
+KV_HEADS = 8  # of real_kv_model: a chunk is one object per KV head
 
 
 def prompt(seed: int) -> list[int]:
@@ -58,19 +71,69 @@ def test_the_vllm_command_runs_under_the_cpu_build() -> None:
     assert out.stdout.strip().splitlines()[-1].startswith("0.32.0")
 
 
+def saved_all(server: VllmServer, objects: int) -> None:
+    """Wait until the server's workers have put ``objects`` objects in the pool."""
+
+    def saved() -> float:
+        return metric(server, "vllm:kvpool_chunks_saved_total")
+
+    assert wait_until(lambda: saved() >= objects, 60, step=0.2), (saved(), objects)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tp"), [("bfloat16", 1), ("float32", 1), ("bfloat16", 2)], ids=str
+)
+def test_a_fresh_servers_first_request_can_be_a_pool_hit_that_leaves_one_token(
+    serve: Serve, real_kv_model: Path, dtype: str, tp: int
+) -> None:
+    """A restarted server's first request finds all but one token of its prompt in the
+    pool. Its worker runs no forward before it, and a forward of at most 4 tokens asks
+    nothing of oneDNN, so on an AMX host vLLM's bf16 attention ran tile instructions
+    in a process without AMX tile data and the worker died (SIGILL); kvpool's worker
+    now asks for it at start. The answer equals the cold server's local hit."""
+    blocks = 17
+    rng = random.Random(7)
+    ids = [rng.randrange(10, 1000) for _ in range(blocks * BLOCK + 1)]
+    args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+    # vLLM binds TP workers' threads per NUMA node; this machine has one: bind by hand.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {}
+    start = functools.partial(
+        serve, extra_args=args, model=real_kv_model, dtype=dtype, kv_cache="1G", env=env
+    )
+    cold = start(f"cold-{dtype}-tp{tp}")
+    assert cold.complete(ids).cached_tokens == 0
+    local = cold.complete(ids)
+    assert local.cached_tokens == blocks * BLOCK
+    saved_all(cold, blocks * KV_HEADS)
+    cold.stop()
+
+    fresh = start(f"fresh-{dtype}-tp{tp}")
+    hit = fresh.complete(ids)  # the first forward of this server computes one token
+    assert hit.cached_tokens == blocks * BLOCK, hit
+    assert same_answer(hit, local), (hit, local)
+    assert fresh.running()
+    assert metric(fresh, "vllm:kvpool_chunks_loaded_total") == blocks * KV_HEADS
+    if cpu_has_amx():  # every worker asked before its first forward
+        assert fresh.log_path.read_text().count("AMX tile data enabled for this worker") == tp
+
+
 def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
-    serve: Serve,
+    serve: Serve, real_kv_model: Path
 ) -> None:
     # One launch, two DP engines (--data-parallel-size 2).
-    server = serve("dp2", ["--data-parallel-size", "2"])
+    bf16 = {"model": real_kv_model, "dtype": "bfloat16", "kv_cache": "512M"}
+    server = serve("dp2", ["--data-parallel-size", "2"], **bf16)
     p1, p2 = prompt(1), prompt(2)
     first = {1: server.complete(p1, dp_rank=0), 2: server.complete(p2, dp_rank=1)}
     assert first[1].cached_tokens == 0 and first[2].cached_tokens == 0
+    # The references: each prompt again on its engine, a local prefix-cache hit.
+    local = {1: server.complete(p1, dp_rank=0), 2: server.complete(p2, dp_rank=1)}
     # Each prompt on the other engine: its local cache never saw it, the pool did.
     other = {1: server.complete(p1, dp_rank=1), 2: server.complete(p2, dp_rank=0)}
     for k in (1, 2):
-        assert other[k].cached_tokens >= PREFIX, (k, other[k])
-        assert same_answer(other[k], first[k])
+        assert local[k].cached_tokens >= PREFIX, (k, local[k])
+        assert other[k].cached_tokens == local[k].cached_tokens, (k, other[k])
+        assert same_answer(other[k], local[k]), (k, other[k], local[k])
     # kvpool's counters in the server's Prometheus metrics, and vLLM's hit rate.
     assert metric(server, "vllm:kvpool_chunks_loaded_total", 0) > 0
     assert metric(server, "vllm:kvpool_chunks_loaded_total", 1) > 0
@@ -96,14 +159,15 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
             [*common, "--headless", "--data-parallel-start-rank", "1"],
             wait_health=False,
             connector={"run_dir": str(runs["follower"])},
+            **bf16,
         )
-        head = serve("head", common, connector={"run_dir": str(runs["head"])})
+        head = serve("head", common, connector={"run_dir": str(runs["head"])}, **bf16)
         assert follower.running()
         for k, ids in ((1, p1), (2, p2)):
             for rank in (1, 0):  # rank 1: the follower's engine
                 answer = head.complete(ids, dp_rank=rank)
-                assert answer.cached_tokens >= PREFIX, (k, rank, answer)
-                assert same_answer(answer, first[k])
+                assert answer.cached_tokens == local[k].cached_tokens, (k, rank, answer)
+                assert same_answer(answer, local[k]), (k, rank, answer, local[k])
         # Each process serves the lookups of its own DP engine, on its own endpoint.
         sockets = {name: sorted(p.name for p in run.glob("*.sock")) for name, run in runs.items()}
         assert [s.rsplit("-", 1)[-1] for s in sockets["head"]] == ["dp0.sock"], sockets

@@ -13,6 +13,9 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
+from kvpool import amx
+from kvpool.errors import ConfigError
+from kvpool.vllm.connector import _ready_amx
 from kvpool.vllm.identity import engine_identity
 
 BLOCK = 32
@@ -241,3 +244,33 @@ def test_vllms_hash_settings_leave_the_fingerprint_alone(
     fast = copy.deepcopy(base)
     fast.cache_config.prefix_caching_hash_algo = "xxhash"
     assert _fingerprint(fast) == _fingerprint(base)
+
+
+def test_a_worker_asks_for_amx_tile_data_and_stops_at_start_where_bf16_attention_cannot_have_it(
+    base: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's "amx" attention (bf16, on a CPU with AMX) needs tile data it never asks
+    for: the worker asks at start. Where Linux refuses, a bf16 engine stops at start
+    with what to change; a float32 engine ("vec") only warns."""
+    bf16, fp32 = copy.deepcopy(base), copy.deepcopy(base)
+    bf16.model_config.dtype = torch.bfloat16
+    fp32.model_config.dtype = torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: True)
+    asked: list[bool] = []
+    monkeypatch.setattr(amx, "request_tile_data", lambda: asked.append(True))
+    caplog.set_level("INFO", logger="kvpool")
+    _ready_amx(bf16, _kv_config(bf16))
+    assert asked == [True]
+    assert "AMX tile data enabled for this worker" in caplog.text
+
+    def refuse() -> None:
+        raise amx.AmxDenied("Linux refused AMX tile data (EPERM)")
+
+    monkeypatch.setattr(amx, "request_tile_data", refuse)
+    with pytest.raises(ConfigError, match=r"AMX path.*EPERM.*--dtype float32"):
+        _ready_amx(bf16, _kv_config(bf16))
+    _ready_amx(fp32, _kv_config(fp32))  # "vec": nothing runs tile instructions
+    assert "does not take its AMX path" in caplog.text
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: False)
+    _ready_amx(bf16, _kv_config(bf16))  # no AMX: nothing to ask

@@ -31,8 +31,10 @@ from typing import Any
 
 from kvpool.bench.engines import BLOCK, mooncake_env
 from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
-from kvpool.demo.server import VllmServer, kv_transfer_config, vllm_command
+from kvpool.demo.failure import failure_line
+from kvpool.demo.server import ServerFailed, VllmServer, kv_transfer_config, vllm_command
 from kvpool.demo.tiny_model import build_shaped_llama
+from kvpool.errors import KVPoolError
 from kvpool.pool import (
     LocalPool,
     completed_puts,
@@ -44,6 +46,7 @@ from kvpool.pool import (
 
 __all__ = [
     "CONNECTORS",
+    "BenchFailed",
     "Phase",
     "ServeBench",
     "ServeRun",
@@ -54,6 +57,12 @@ __all__ = [
 ]
 
 CONNECTORS = ("none", "kvpool", "mooncake")
+
+
+class BenchFailed(KVPoolError):
+    """A step of the bench failed; the message is one line, with the log's path."""
+
+
 Progress = Callable[[str, int, int], None]
 
 
@@ -176,15 +185,21 @@ def _bench_client(
     with log.open("ab") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
     if rc != 0 or not out.exists():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"vllm bench serve failed (rc {rc}):\n{tail}")
+        raise BenchFailed(failure_line(f"vllm bench serve against {server.name}", rc, log))
     return read_bench_result(out)
 
 
 def _phase(server: VllmServer, run: Callable[[], dict[str, float]]) -> Phase:
-    before = cache_counts(server.metrics())
-    figures = run()
-    after = cache_counts(server.metrics())
+    """One phase's figures; a server or engine that died during it ends the bench with
+    ``ServerFailed`` (one line naming the server and its last error)."""
+    try:
+        before = cache_counts(server.metrics())
+        figures = run()
+        after = cache_counts(server.metrics())
+    except (OSError, BenchFailed) as exc:  # URLError is an OSError
+        raise ServerFailed(server.failure() or f"{server.name}: {exc}") from None
+    if (why := server.failure()) is not None:
+        raise ServerFailed(why)
     queried, local, pool = (a - b for a, b in zip(after, before, strict=True))
     return Phase(
         ttft_p50_ms=figures["ttft_p50_ms"],

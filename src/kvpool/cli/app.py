@@ -220,4 +220,7 @@ def run(argv: list[str] | None = None) -> int:
     except KVPoolError as exc:
         print(f"kvpool: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    except OSError as exc:  # a file, socket or URL (a server gone) failed
+        print(f"kvpool: error: {exc}", file=sys.stderr)
+        return 1
     return rv if isinstance(rv, int) else 0

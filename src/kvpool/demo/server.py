@@ -3,8 +3,12 @@
     VllmServer(model, folder, port, extra_args, name=..., env=...)
     server.start(timeout_s)    launch ``vllm serve`` (the OpenAI server with the
                                multiprocess engine core) and return once ``/health``
-                               answers; ``ServerFailed`` with the log tail if the
-                               process exits or the deadline passes
+                               answers; ``ServerFailed`` (one line: how it ended,
+                               its log's telling line) if the process exits or the
+                               deadline passes
+    server.failure()           None while the server and its engines are healthy;
+                               else that one line (a dead engine leaves the API
+                               server up, answering 500s)
     server.complete(ids, dp_rank=None, max_tokens=8) -> Completion
                                one greedy completion of a token-id prompt; with
                                ``dp_rank``, vLLM routes it to that DP engine
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool.demo.failure import failure_line
 from kvpool.errors import KVPoolError
 
 __all__ = ["Completion", "ServerFailed", "VllmServer", "kv_transfer_config", "vllm_command"]
@@ -101,8 +106,13 @@ class VllmServer:
             "--enable-prompt-tokens-details",
             *extra_args,
         ]
+        self.name = name
         self.log_path = Path(folder) / f"{name}.log"
-        self.env = dict(os.environ, MC_TCP_BIND_ADDRESS=_HOST, **(env or {}))
+        # PYTHONFAULTHANDLER: a process killed by a signal leaves "Fatal Python error"
+        # and its stack in the log.
+        self.env = dict(
+            os.environ, MC_TCP_BIND_ADDRESS=_HOST, PYTHONFAULTHANDLER="1", **(env or {})
+        )
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -128,7 +138,9 @@ class VllmServer:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc is None or self._proc.poll() is not None:
-                raise ServerFailed(f"vllm serve exited before it was healthy:\n{self.log_tail()}")
+                rc = None if self._proc is None else self._proc.returncode
+                what = f"vllm serve {self.name} exited before it was healthy"
+                raise ServerFailed(failure_line(what, rc, self.log_path))
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
@@ -136,12 +148,29 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise ServerFailed(f"vllm serve not healthy in {timeout_s:g} s:\n{self.log_tail()}")
+                what = f"vllm serve {self.name} not healthy in {timeout_s:g} s"
+                raise ServerFailed(failure_line(what, None, self.log_path))
             # The server process offers no readiness event to wait on: poll its endpoint.
             time.sleep(1.0)
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def failure(self) -> str | None:
+        """None while the process runs and ``/health`` answers 200 (every engine
+        alive); else one line: what ended, and the telling line of its log."""
+        if self._proc is None:
+            return f"vllm serve {self.name} is not running (log: {self.log_path})"
+        if self._proc.poll() is not None:
+            what = f"vllm serve {self.name} exited"
+            return failure_line(what, self._proc.returncode, self.log_path)
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        return failure_line(f"vllm serve {self.name}: an engine died", None, self.log_path)
 
     def complete(
         self, ids: Sequence[int], dp_rank: int | None = None, max_tokens: int = 8

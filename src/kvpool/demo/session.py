@@ -14,8 +14,8 @@
                                     ``"phases"``: what each phase printed)
 
 Lines from the engine are read on a thread into a queue; every wait is on that
-queue with a deadline, and an engine that dies raises ``EngineFailed`` with the
-tail of its log at once.
+queue with a deadline, and an engine that dies raises ``EngineFailed`` at once,
+with one line: how it ended and its log's telling line (``kvpool.demo.failure``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvpool.demo.failure import failure_line
+from kvpool.errors import KVPoolError
+
 __all__ = ["EngineFailed", "EngineSession"]
 
 
-class EngineFailed(RuntimeError):
-    """The engine process exited or did not answer in time."""
+class EngineFailed(KVPoolError, RuntimeError):
+    """The engine process exited or did not answer in time; the message is one line
+    (how it ended, its log's telling line and the log's path)."""
 
 
 class EngineSession:
@@ -76,7 +80,8 @@ class EngineSession:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,
-                env=dict(os.environ, **(env or {})),
+                # A signal's Python stack (and "Fatal Python error: ...") in the log.
+                env=dict(os.environ, PYTHONFAULTHANDLER="1", **(env or {})),
             )
         session = cls(proc, log_path, on_progress)
         session._held = bool(spec.get("hold"))
@@ -116,11 +121,14 @@ class EngineSession:
             while line is not None and not line.startswith(prefix):
                 line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise EngineFailed(f"no {prefix!r} from the engine within {timeout} s") from None
+            raise EngineFailed(
+                f"no {prefix!r} from the engine {self._log_path.stem} within {timeout} s "
+                f"(log: {self._log_path})"
+            ) from None
         if line is None:
             self._proc.wait()
-            tail = "\n".join(self.log().splitlines()[-15:])
-            raise EngineFailed(f"the engine exited (rc {self._proc.returncode}):\n{tail}")
+            what = f"the engine {self._log_path.stem} exited"
+            raise EngineFailed(failure_line(what, self._proc.returncode, self._log_path))
         return line.removeprefix(prefix)
 
     def _send(self) -> None:

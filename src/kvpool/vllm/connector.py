@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool import amx
 from kvpool.config import PoolConfig, load_config
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound
 from kvpool.keys import lookup_endpoint
@@ -67,7 +68,13 @@ from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store import open_store
 from kvpool.store.base import KVStore
 from kvpool.store.framed import FramedStore
-from kvpool.vllm.identity import EngineIdentity, engine_identity, worker_rank
+from kvpool.vllm.identity import (
+    EngineIdentity,
+    UnsupportedEngine,
+    attention_isas,
+    engine_identity,
+    worker_rank,
+)
 from kvpool.vllm.metadata import KVPoolMetadata
 from kvpool.vllm.scheduler import SchedulerSide
 from kvpool.vllm.stats import KVPoolPromMetrics, KVPoolStats, LookupInterval
@@ -112,6 +119,34 @@ def _holder_is_local(pool: PoolConfig) -> bool:
     return bool(host) and (host in ("127.0.0.1", "localhost", "::1") or host == pool.local_hostname)
 
 
+def _ready_amx(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Ask Linux for AMX tile data before this worker runs any forward (see
+    ``kvpool.amx``): vLLM's "amx" attention never asks, and a pool hit that leaves
+    at most 4 tokens to compute would reach it first. Where Linux refuses and the
+    attention takes that path, no forward could run: stop at start, saying so."""
+    if not amx.cpu_has_amx():
+        return
+    try:
+        amx.request_tile_data()
+    except amx.AmxDenied as exc:
+        try:
+            needed = kv_cache_config is not None and "amx" in attention_isas(
+                vllm_config, kv_cache_config
+            )
+        except UnsupportedEngine:
+            needed = False
+        if needed:
+            raise ConfigError(
+                f"kvpool: vLLM's CPU attention takes its AMX path here (bfloat16 KV, block "
+                f"size a multiple of 32) but {exc}; its first short forward would kill the "
+                f"worker with SIGILL. Serve with --dtype float32 or --block-size 16, or on a "
+                f"kernel that grants AMX"
+            ) from None
+        logger.warning("kvpool: %s (vLLM's attention does not take its AMX path here)", exc)
+        return
+    logger.info("kvpool: AMX tile data enabled for this worker (vLLM's CPU attention needs it)")
+
+
 def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
     def open_framed(pool: PoolConfig) -> KVStore:
         shm = settings.shared_memory == "on" or (
@@ -150,6 +185,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class checked it
         self._failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
+        if role == KVConnectorRole.WORKER:
+            _ready_amx(vllm_config, kv_cache_config)  # first: before any forward can run
         if self._failure_policy == "fail":
             logger.warning(
                 "kvpool: kv_load_failure_policy is 'fail', so a pool fault fails requests; "

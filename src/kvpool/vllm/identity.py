@@ -30,6 +30,7 @@ from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 __all__ = [
     "EngineIdentity",
     "UnsupportedEngine",
+    "attention_isas",
     "byte_fields",
     "engine_identity",
     "layer_index",
@@ -200,11 +201,17 @@ def engine_identity(
 
 def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
     """How the attention kernel lays out a block's bytes, where the sizes and
-    dtypes leave it open. vLLM's CPU kernel picks an ISA per KV group (its
-    ``_get_attn_isa``): "vec" stores each block's K head_size-major, "amx" packs
-    K and V in pairs, so a bf16 engine on a host with AMX and one without write
-    the same KV in different byte orders and must never share objects. (Only
-    host KV caches are pooled: ``engine_identity`` refuses the others first.)"""
+    dtypes leave it open: ``attention_isas`` joined. (Only host KV caches are
+    pooled: ``engine_identity`` refuses the others first.)"""
+    return "cpu/" + ",".join(attention_isas(vllm_config, kv_cache_config))
+
+
+def attention_isas(vllm_config: Any, kv_cache_config: Any) -> list[str]:
+    """Per KV group, the ISA vLLM's CPU attention kernel takes (its ``_get_attn_isa``):
+    "vec" stores each block's K head_size-major, "amx" packs K and V in pairs, so a
+    bf16 engine on a host with AMX and one without write the same KV in different
+    byte orders and must never share objects; "amx" also needs AMX tile data
+    (``kvpool.amx``). A Mamba group gets "mamba-" and a digest of its state shapes."""
     cache = vllm_config.cache_config
     dtype = vllm_config.model_config.dtype
     try:
@@ -212,7 +219,7 @@ def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
     except ImportError:  # pragma: no cover - another vLLM: name the host's features
         import torch
 
-        return f"cpu/amx={torch.cpu._is_amx_tile_supported()}"
+        return [f"amx={torch.cpu._is_amx_tile_supported()}"]
     isas = []
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
@@ -226,7 +233,7 @@ def _kv_layout(vllm_config: Any, kv_cache_config: Any) -> str:
             isas.append(_get_attn_isa(dtype, int(spec.block_size), head, cache.cache_dtype))
         except NotImplementedError as exc:  # vLLM refuses the engine too
             raise UnsupportedEngine(f"vLLM's CPU attention: {exc}") from None
-    return "cpu/" + ",".join(isas)
+    return isas
 
 
 # hf_config keys that never change KV bytes: the path (``model`` is fingerprinted),

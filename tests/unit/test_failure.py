@@ -43,6 +43,8 @@ def test_the_telling_line_is_the_fatal_error_then_the_cause_then_who_died() -> N
     no_cause = SIGILL_LOG.replace("Fatal Python error: Illegal instruction", "")
     assert last_error(no_cause).startswith("Worker proc VllmWorker-0 died unexpectedly")
     assert last_error("a\n\nlast words\n\n") == "last words"
+    torch_dist = "[rank0]: AttributeError: 'X' object has no attribute 'y'\nI1205 finish\n"
+    assert last_error(torch_dist) == "AttributeError: 'X' object has no attribute 'y'"
     assert last_error("") == "(empty log)"
     assert len(last_error("KeyError: " + "x" * 5000)) == 1000
 

@@ -17,7 +17,7 @@ from kvpool.layout import Layout
 from kvpool.plan import chunk_hashes
 from kvpool.store.base import KVStore, Status
 from kvpool.store.memory import MemoryStore
-from kvpool.transfer import ChunkRef, StagingArena, TransferEngine
+from kvpool.transfer import ChunkRef, StagingArena, TransferEngine, saves
 
 NB, BS = 64, 32  # blocks, tokens per block
 
@@ -304,7 +304,8 @@ def test_corrupt_object_is_invalid_and_staged_load_leaves_kv_untouched() -> None
     assert bool((dst[0][1] == 3.0).all())  # nothing written into the KV cache
 
 
-def test_no_space_switches_to_backpressure_then_recovers() -> None:
+def test_no_space_switches_to_backpressure_then_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(saves, "FULL_RETRY_S", 0.1)  # a pool that never evicts: give up soon
     block = 2 * BS * 64 * 4
     store = MemoryStore(capacity=block + block // 2)  # a one-block object fits, two do not
     src = cpu_layers(1)
@@ -313,6 +314,7 @@ def test_no_space_switches_to_backpressure_then_recovers() -> None:
     e.submit_save("big", [ChunkRef("big", 0, 0, (0, 1))])
     (res,) = e.wait(["big"], timeout=30)
     assert res.statuses == {"big": Status.NO_SPACE}
+    assert e.stats().puts_no_space == 1 and e.stats().failures["no_space"] == 1
     assert e.in_backpressure
     assert e.submit_save("during", [ChunkRef("small", 0, 0, (2,))]) is False
     stats = e.stats()
@@ -320,6 +322,70 @@ def test_no_space_switches_to_backpressure_then_recovers() -> None:
     time.sleep(0.25)  # the back-off is a timer: let it run out
     assert e.submit_save("after", [ChunkRef("small", 0, 0, (2,))])
     assert e.wait(["after"], timeout=30)[0].statuses == {"small": Status.OK}
+    e.close()
+    store.close()
+
+
+class _FullThenEvicting(MemoryStore):
+    """A full pool that evicts on its own clock: each key's first ``refusals`` puts
+    are NO_SPACE, later ones land. Records the key order of every call."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__(capacity=1 << 30)
+        self.refusals = refusals
+        self.tries: dict[str, int] = {}
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def _put(self, keys: Any, segments: Any) -> list[Status]:
+        self.calls.append(("put", list(keys)))
+        out = super()._put(keys, segments)
+        for i, k in enumerate(keys):
+            self.tries[k] = self.tries.get(k, 0) + 1
+            if self.tries[k] <= self.refusals:
+                self._remove([k], force=True)
+                out[i] = Status.NO_SPACE
+        return out
+
+    def _get(self, keys: Any, segments: Any) -> list[Status]:
+        self.calls.append(("get", list(keys)))
+        return super()._get(keys, segments)
+
+
+def test_a_put_that_meets_a_full_pool_goes_again_until_the_pool_has_evicted() -> None:
+    """Mooncake answers NO_SPACE and evicts on its own clock: the save thread puts
+    those objects again (holding their staging) and none is dropped."""
+    store = _FullThenEvicting(refusals=2)
+    src = cpu_layers(1)
+    randomize(src, 3)
+    e = engine(store, src)
+    chunks = [ChunkRef(f"k{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(6)]
+    assert e.submit_save("s", chunks)
+    (res,) = e.wait(["s"], timeout=30)
+    assert res.ok and all(st is Status.OK for st in res.statuses.values()), res.statuses
+    stats = e.stats()
+    assert stats.puts_no_space == 6 and not stats.failures and stats.full_wait_s > 0
+    assert not e.in_backpressure
+    assert [len(keys) for op, keys in store.calls if op == "put"] == [6, 6, 6]
+    e.close()
+    store.close()
+
+
+def test_store_calls_list_a_prompts_last_chunk_first() -> None:
+    """Mooncake evicts the objects of one call in the order listed (measured): saves
+    and loads list the last chunk first, a chunk's shards together, so a partly
+    evicted prompt loses its end and keeps a usable start."""
+    store = _FullThenEvicting(refusals=0)
+    src = [cpu_layers(1), cpu_layers(1)]  # two shard views: a chunk is two objects
+    for i, layers in enumerate(src):
+        randomize(layers, i)
+    e = TransferEngine(store, src, NB, staging_bytes=64 << 20)
+    chunks = [ChunkRef(f"g{g}c{c}", g, c, (c,)) for g in (0, 1) for c in range(4)]
+    e.submit_save("s", chunks)
+    assert e.wait(["s"], timeout=30)[0].ok
+    e.submit_load("l", chunks)
+    assert e.wait(["l"], timeout=30)[0].ok
+    want = ["g0c3", "g1c3", "g0c2", "g1c2", "g0c1", "g1c1", "g0c0", "g1c0"]
+    assert store.calls == [("put", want), ("get", want)]
     e.close()
     store.close()
 

@@ -165,6 +165,27 @@ def test_prefill_saves_each_completed_chunk_once_and_never_with_a_load() -> None
     assert s.build_meta(out).saves == []
 
 
+def test_saves_say_where_the_pool_lacked_chunks_at_the_lookup() -> None:
+    """A worker skips keys it put recently without asking the pool; chunks the
+    lookup found missing (evicted since) are put again all the same."""
+    s, _, manager = side(hit=2 * B)
+    req = FakeRequest.make("r", 5 * B + 7)
+    assert s.matched_tokens(req, num_computed_tokens=3 * B) == (0, False)  # local: more
+    s.after_alloc(req, 0)
+    manager.tables["r"] = (list(range(6)),)
+    meta = s.build_meta(step([("r", 3 * B)], {"r": 2 * B + 7}))
+    (save,) = meta.saves
+    assert [c.chunk for c in save.chunks] == [0, 1, 2, 3, 4] and save.fresh_from == 2
+    # No lookup (vLLM's local cache held the whole prompt): the workers decide.
+    s2, _, manager2 = side(hit=0)
+    short = FakeRequest.make("q", 2 * B)
+    assert s2.matched_tokens(short, num_computed_tokens=2 * B) == (0, False)
+    s2.after_alloc(short, 0)
+    manager2.tables["q"] = (list(range(2)),)
+    (save,) = s2.build_meta(step([("q", 0)], {"q": 2 * B})).saves
+    assert save.fresh_from is None
+
+
 def test_failed_load_suppresses_chunks_so_lookups_do_not_loop() -> None:
     s, lookup, _ = side(hit=8 * B, failed_key_ttl_s=60)
     req = FakeRequest.make("r", 8 * B + 3)

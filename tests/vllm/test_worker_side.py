@@ -561,3 +561,32 @@ def test_a_finishing_request_is_noted_at_load_time_too() -> None:
     worker.finished()
     assert worker.released() == {"x"}
     worker.close()
+
+
+def test_chunks_the_lookup_found_missing_are_put_again_though_put_before() -> None:
+    """A worker skips keys it stored recently without a store call; once the pool
+    evicted them, the scheduler's lookup says so (``fresh_from``) and they go again."""
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    worker = WorkerSide(
+        identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store
+    )
+    worker.register(kv_caches())
+
+    def save(fresh_from: int | None) -> None:
+        worker.start_saves(
+            KVPoolMetadata(saves=[RequestOps("a", ops("a", [1, 2, 3]).chunks, fresh_from)])
+        )
+        assert worker.engine is not None and worker.engine.wait_any(10)
+        worker.finished()
+
+    save(None)
+    assert len(store._objects) == 3
+    store.batch_remove(list(store._objects), force=True)  # the pool evicted them
+    save(None)  # no lookup said: remembered, skipped
+    assert not store._objects
+    save(fresh_from=1)  # the lookup found chunks 1 and 2 missing
+    assert len(store._objects) == 2
+    worker.close()

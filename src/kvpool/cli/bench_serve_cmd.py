@@ -13,14 +13,13 @@ import tempfile
 from pathlib import Path
 
 import click
-from rich import box
 from rich.table import Table
 
 from kvpool.bench.serve import CONNECTORS, ServeBench, Workload
 from kvpool.bench.shapes import SHAPES
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
-from kvpool.cli.console import PhaseBars, console
+from kvpool.cli.console import PhaseBars, bench_table, console
 
 __all__ = ["serve_bench_table"]
 
@@ -28,20 +27,14 @@ __all__ = ["serve_bench_table"]
 def serve_bench_table(result: ServeBench) -> Table:
     """One row per connector and phase (cold, then warm after a server restart)."""
     w = result.workload
-    t = Table(
-        title=(
-            f"vllm serve + vllm bench serve, {result.shape.kv_bytes_per_token >> 10} KiB of KV "
-            f"per token: {w.prompts} prompts of {w.prefix_tokens}+{w.suffix_tokens} tokens "
-            f"({w.prefixes} prefixes), {w.output_tokens} out, concurrency {w.concurrency}"
-        ),
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        show_edge=False,
-        collapse_padding=True,
+    title = (
+        f"vllm serve + vllm bench serve, {result.shape.kv_bytes_per_token >> 10} KiB of KV "
+        f"per token: {w.prompts} prompts of {w.prefix_tokens}+{w.suffix_tokens} tokens "
+        f"({w.prefixes} prefixes), {w.output_tokens} out, concurrency {w.concurrency}"
     )
-    for name in ("connector", "phase", "TTFT p50", "p90", "req/s", "local hits", "pool hits"):
-        t.add_column(name, justify="left" if name in ("connector", "phase") else "right")
-    t.add_column("cold/warm")
+    columns = ("connector", "phase", "TTFT p50", "p90", "req/s", "local hits", "pool hits",
+               "cold/warm")  # fmt: skip
+    t = bench_table(title, columns, left=2)
     for run in result.runs:
         for phase, p in (("cold", run.cold), ("warm", run.warm)):
             queried = max(p.queried_tokens, 1)

@@ -1,7 +1,12 @@
-"""The one rich console every ``kvpool`` command prints on, and phase progress bars."""
+"""The one rich console every ``kvpool`` command prints on, phase progress bars, and
+the compact table the benches print (``bench_table``: a rule under the header, no
+frame, so a row fits 80 columns)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from rich import box
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -11,8 +16,19 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 console = Console()
+
+
+def bench_table(title: str, columns: Sequence[str], left: int = 1) -> Table:
+    """A compact table with ``columns``, the first ``left`` aligned left, the rest right."""
+    t = Table(
+        title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True
+    )
+    for i, name in enumerate(columns):
+        t.add_column(name, justify="left" if i < left else "right")
+    return t
 
 
 class PhaseBars:

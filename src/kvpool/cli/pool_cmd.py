@@ -40,6 +40,7 @@ from kvpool.pool import (
     PoolStatus,
     pool_status,
 )
+from kvpool.pool.local import LEASE_TTL_MS
 
 
 def _console() -> Console:
@@ -100,6 +101,9 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     t.add_row("pool file", str(pool_file))
     if pool.secret:
         t.add_row("secret", "objects are signed; the secret is in the pool file (mode 0600)")
+    if pool.disk_dir:
+        limit = f", at most {format_bytes(pool.disk_bytes)}" if pool.disk_bytes else ""
+        t.add_row("disk", f"evicted objects kept in {pool.disk_dir}{limit}")
     t.add_row("logs", f"{pool.home / 'master.log'}, {pool.home / 'holder.log'}")
     return t
 
@@ -120,6 +124,13 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
     used, cap = status.used_bytes, status.capacity_bytes
     share = f" ({100 * used / cap:.1f}%)" if used is not None and cap else ""
     t.add_row("memory", f"{format_bytes(used)} used of {format_bytes(cap)}{share}")
+    if status.evicted_objects is not None:
+        t.add_row(
+            "evicted",
+            f"{status.evicted_objects} objects, {format_bytes(status.evicted_bytes)} since start"
+            + ("" if status.refused_puts is None else
+               f"; {status.refused_puts} puts found the pool full (written once it evicted)"),
+        )  # fmt: skip
     t.add_row("clients", "?" if status.clients is None else str(status.clients))
     segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
     t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
@@ -180,6 +191,9 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         "used_bytes": status.used_bytes,
         "capacity_bytes": status.capacity_bytes,
         "clients": status.clients,
+        "evicted_objects": status.evicted_objects,
+        "evicted_bytes": status.evicted_bytes,
+        "refused_puts": status.refused_puts,
         "segments": dict(status.segments),
         "hosts": {
             h: {"segments": n, "used_bytes": u, "capacity_bytes": c}
@@ -280,10 +294,11 @@ def _starting(pool_file: Path) -> Iterator[None]:
 )
 @click.option(
     "--lease-ttl-ms",
-    default=10000,
+    default=LEASE_TTL_MS,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Read lease on every object, in ms (remove is refused while it runs).",
+    help="Read lease: an object read or looked up is not evicted (nor removed) for this "
+    "long, in ms. Longer keeps more of what was read and less of what was written last.",
 )
 @click.option(
     "--master",
@@ -313,6 +328,20 @@ def _starting(pool_file: Path) -> Iterator[None]:
     "refuse objects not signed with it. Uses $KVPOOL_POOL_SECRET if set (give every host "
     "the same), else makes one.",
 )
+@click.option(
+    "--disk",
+    "disk_dir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep what the pool evicts from memory in files under this folder (read back "
+    "from disk, at several times the time of a memory read; kept across a holder restart).",
+)
+@click.option(
+    "--disk-size",
+    default=None,
+    callback=lambda ctx, param, value: None if value is None else _size(ctx, param, value),
+    help="With --disk: at most this much on disk (e.g. 100GB); default: Mooncake's.",
+)
 def up(
     segment_size: int,
     client_ttl: int,
@@ -321,10 +350,14 @@ def up(
     metrics_url: str,
     host: str,
     secret: bool,
+    disk_dir: Path | None,
+    disk_size: int | None,
 ) -> None:
     """Start a local pool (master + holder) in the background."""
     if metrics_url and master is None:
         raise click.UsageError("--metrics-url goes with --master")
+    if disk_size is not None and disk_dir is None:
+        raise click.UsageError("--disk-size goes with --disk")
     pool_secret = ""
     if secret:
         pool_secret = os.environ.get("KVPOOL_POOL_SECRET") or secrets.token_hex(32)
@@ -348,6 +381,8 @@ def up(
             detach=True,
             host=host,
             secret=pool_secret,
+            disk_dir=disk_dir or "",
+            disk_bytes=disk_size or 0,
         )
         try:
             pool.write_pool_file(path)

@@ -5,9 +5,10 @@
 SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "connector": "kvpool" | "mooncake" | "none", "extra": {...},
        "dtype": "float32", "block_size": 32, "failure_policy": "recompute",
-       "warmup": bool, "progress": bool, "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1,
-       "pp": 1, "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool,
-       "max_num_batched_tokens": n, "num_blocks": n}
+       "warmup": bool, "warmup_tokens": n, "progress": bool,
+       "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1, "pp": 1,
+       "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool,
+       "max_num_batched_tokens": n, "num_blocks": n, "prefix_caching": bool}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 With ``"settle_saves": true`` the engine keeps stepping after the last prompt
@@ -129,7 +130,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         # for the first time). Run one unrelated prompt as long as the longest so
         # that no measured request pays it.
         prompts = spec.get("prompts") or [p for phase in spec["phases"] for p in phase]
-        warm = TokensPrompt(prompt_token_ids=warmup_prompt(max(len(p) for p in prompts)))
+        # "warmup_tokens": shorter than a block, the pool never sees the warm-up.
+        n = spec.get("warmup_tokens") or max(len(p) for p in prompts)
+        warm = TokensPrompt(prompt_token_ids=warmup_prompt(n))
         llm.generate([warm], greedy, use_tqdm=False)
     if "phases" in spec:
         phases: list[list[dict[str, Any]]] = []
@@ -229,6 +232,8 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
                 failures=dict(stats.failures),
                 saves_refused=dict(stats.saves_refused),
                 backpressure_events=stats.backpressure_events,
+                puts_no_space=stats.puts_no_space,
+                chunks_refused=dict(stats.chunks_refused),
                 loads_timed_out=stats.loads_timed_out,
                 chunks_discarded=stats.chunks_discarded,
             )

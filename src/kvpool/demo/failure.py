@@ -23,8 +23,12 @@ from pathlib import Path
 
 __all__ = ["exit_reason", "failure_line", "last_error"]
 
-# vLLM prefixes its lines with "(EngineCore pid=12) ERROR 12-05 21:03:49 [core.py:1510] ".
-_VLLM_PREFIX = re.compile(r"^\([\w ]+pid=\d+\)\s+(?:[A-Z]+\s+\d\d-\d\d [\d:]+\s+\[[^\]]*\]\s*)?")
+# vLLM prefixes its lines with "(EngineCore pid=12) ERROR 12-05 21:03:49 [core.py:1510] ",
+# torch.distributed with "[rank0]: ".
+_VLLM_PREFIX = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?:\([\w ]+pid=\d+\)\s+)?"
+    r"(?:[A-Z]+\s+\d\d-\d\d [\d:]+\s+\[[^\]]*\]\s*)?"
+)
 _RULES = (
     re.compile(r"Fatal Python error: .*"),
     re.compile(r"^(?:[a-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Failed|Interrupt)\b: .*"),

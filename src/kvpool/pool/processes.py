@@ -199,8 +199,9 @@ def _spawn(
     log_path: Path,
     detach: bool,
     host: str = LOOPBACK,
+    env_extra: dict[str, str] | None = None,
 ) -> _Process:
-    env = dict(os.environ, MC_TCP_BIND_ADDRESS=host)
+    env = dict(os.environ, MC_TCP_BIND_ADDRESS=host, **(env_extra or {}))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:
         offset = out.tell()

@@ -1,7 +1,8 @@
 """What ``kvpool status`` shows: one record of a pool's state, and its keys by namespace.
 
     pool_status(pool)            one ``PoolStatus`` record: processes, key count,
-                                 bytes, clients, segments, namespaces;
+                                 bytes, clients, segments, namespaces, evictions
+                                 and puts refused for lack of space since start;
                                  ``hosts()`` its memory per host, and keys per
                                  host when it spans hosts (``KEY_SAMPLE`` keys
                                  asked at most: beyond, the counts are estimates)
@@ -90,6 +91,11 @@ class PoolStatus:
     segments_used: Mapping[str, int] = field(default_factory=dict)  # name -> bytes in use
     host_keys: Mapping[str, int] = field(default_factory=dict)  # host -> keys with a replica
     host_keys_sampled: int = 0  # keys asked for host_keys; < keys: the counts are scaled
+    # Pressure since the master started: objects and bytes it evicted, and puts that
+    # found no free memory (kvpool's writers put those again once it has evicted).
+    evicted_objects: int | None = None
+    evicted_bytes: int | None = None
+    refused_puts: int | None = None
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -149,6 +155,9 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         namespaces=namespaces,
         host_keys=host_keys,
         host_keys_sampled=sampled,
+        evicted_objects=gauge("master_evicted_key_count"),
+        evicted_bytes=gauge("master_evicted_size_bytes"),
+        refused_puts=gauge("master_put_start_alloc_failures_total"),
     )
 
 

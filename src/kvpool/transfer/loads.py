@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvpool.store.base import Status
+from kvpool.store.scatter import take
 from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
 from kvpool.transfer.core import Core, all_ok
@@ -88,7 +89,9 @@ class Loads:
             return
         core = self.core
         if self.mode == "direct":
-            got = core.store.batch_get(keys, core.kv_segments(job.chunks))
+            order = pieces.last_first(job.chunks)  # a read renews leases: keep the start
+            keys = [keys[i] for i in order]
+            got = core.store.batch_get(keys, take(core.kv_segments(job.chunks), order))
             self._settle(job, dict(zip(keys, got, strict=True)))
             return
         spans = pieces.cut(core.sizes(job.chunks), self.budget)
@@ -112,9 +115,15 @@ class Loads:
             return
         piece.staging = start
         piece.offsets = [self.base + start + o for o in offsets]
+        # A read renews the objects' leases in this order: the start of a prompt last.
+        order = pieces.last_first(chunks)
+        segs = take(self.core.staged(piece.offsets, sizes), order)
         t0 = time.perf_counter()
         try:
-            piece.statuses = self.core.store.batch_get(keys, self.core.staged(piece.offsets, sizes))
+            got = self.core.store.batch_get([keys[i] for i in order], segs)
+            piece.statuses = [Status.UNAVAILABLE] * len(keys)
+            for i, st in zip(order, got, strict=True):
+                piece.statuses[i] = st
         except Exception:  # a bug: the piece fails, the pipeline goes on
             logger.exception("load %r: get failed", piece.job.job_id)
             piece.statuses = [Status.UNAVAILABLE] * len(keys)

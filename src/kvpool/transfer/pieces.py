@@ -11,6 +11,10 @@
     piece_budget(piece, arena, g) the piece size that lets two pieces of one
                                   direction be in flight at once
     check_fits(largest, arena)    ConfigError when one object cannot fit the arena
+    last_first(chunks)            the order a store call lists a piece's objects in:
+                                  last chunk first, a chunk's shards together
+                                  (Mooncake evicts the objects of one call in that
+                                  order, so a prompt loses its end, not its start)
 
 A job of any size moves as a sequence of pieces, each reserving staging only for
 itself and releasing it when it is done, so the staging size changes how many
@@ -22,8 +26,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.errors import ConfigError
+from kvpool.transfer.records import ChunkRef
 
-__all__ = ["ALIGN", "check_fits", "cut", "piece_budget", "place", "split_staging"]
+__all__ = [
+    "ALIGN",
+    "check_fits",
+    "cut",
+    "last_first",
+    "piece_budget",
+    "place",
+    "split_staging",
+]
 
 ALIGN = 64  # each group's objects start this aligned: word views of staging line up
 
@@ -43,6 +56,11 @@ def cut(sizes: Sequence[int], budget: int) -> list[tuple[int, int]]:
     if lo < len(sizes):
         out.append((lo, len(sizes)))
     return out
+
+
+def last_first(chunks: Sequence[ChunkRef]) -> list[int]:
+    """Indices of ``chunks`` by chunk index descending, then shard view."""
+    return sorted(range(len(chunks)), key=lambda i: (-chunks[i].chunk, chunks[i].group))
 
 
 def place(groups: Sequence[int], sizes: Sequence[int], align: int = ALIGN) -> tuple[list[int], int]:

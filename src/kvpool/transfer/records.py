@@ -88,6 +88,8 @@ class TransferStats:
     chunks_discarded: int = 0  # damaged objects removed (never forced)
     chunks_refused: Counter[str] = field(default_factory=Counter)  # reason -> chunks
     save_wait_s: float = 0.0  # time callers waited for save staging (pool slower than KV)
+    puts_no_space: int = 0  # objects whose put met a full pool (then retried)
+    full_wait_s: float = 0.0  # time the save thread waited for a full pool to evict
     load_s: float = 0.0  # wall time of finished load jobs, submit to finish, summed
 
     def __add__(self, other: TransferStats) -> TransferStats:

@@ -16,6 +16,21 @@ them) refuse past ``ZERO_COPY_BACKLOG`` queued jobs ("queue_full"); NO_SPACE,
 TRANSFER_FAILED or UNAVAILABLE on a put starts a growing back-off
 ("backpressure"). Refusals are counted per cause
 and logged at most once a minute per cause, saying what to change.
+
+A full pool: Mooncake answers a put that finds no free memory NO_SPACE and starts
+an eviction (its eviction thread looks every 10 ms; measured here, a put retried
+10-20 ms later lands). So the save thread puts NO_SPACE objects again, with a
+growing pause, for up to ``FULL_RETRY_S``, still holding their staging (which
+slows the engine's saves as a full pool should, rather than dropping them); only
+what is still refused then is dropped, counted (``failures["no_space"]``) and
+logged with what to change. ``puts_no_space`` counts objects that met a full
+pool at least once.
+
+Eviction order: Mooncake evicts the objects whose last put or read is oldest
+first, and the objects of one put call in the order given. A put call lists its
+objects last chunk first (all of a chunk's shards together), so a prompt that is
+partly evicted loses its end and keeps a usable prefix: in the order of the
+staging (a group's chunks in a row) it lost its first chunks, and so all of it.
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from kvpool.store.base import Status
+from kvpool.store.scatter import Segments, take
 from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
 from kvpool.transfer.core import Core
@@ -36,6 +52,8 @@ __all__ = ["NOTE_INTERVAL_S", "Saves"]
 logger = logging.getLogger("kvpool.transfer.engine")
 
 NOTE_INTERVAL_S = 60.0  # one log line per refusal cause at most this often
+FULL_RETRY_S = 2.0  # a put refused for lack of space goes again for this long
+FULL_PAUSE_S = (0.01, 0.2)  # first and longest pause between those puts
 ZERO_COPY_BACKLOG = 64  # zero-copy save jobs queued at most (a flush waits behind them)
 
 _ADVICE = {
@@ -45,6 +63,9 @@ _ADVICE = {
     "staging_error": "copying KV blocks into staging failed (see the error before)",
     "queue_full": f"{ZERO_COPY_BACKLOG} zero-copy saves are queued: the pool is slower "
     "than the engine",
+    "no_space": f"the pool stayed full for {FULL_RETRY_S:.0f} s: nothing in it could be "
+    "evicted (every object read or looked up within the pool's lease TTL, or pinned); "
+    "give the pool more memory or lower kvpool up --lease-ttl-ms",
 }
 
 
@@ -192,22 +213,20 @@ class Saves:
             if piece is None:  # the caller refused the rest (counted there)
                 break
             chunks = job.chunks[piece.lo : piece.hi]
-            keys = [c.key for c in chunks]
             sizes = core.sizes(chunks)
             # zero copy: straight from the KV tensors
             segs = core.kv_segments(chunks) if self.zero_copy else core.staged(piece.offsets, sizes)
+            # Last chunk first (see the module docstring: the order of eviction).
+            order = pieces.last_first(chunks)
+            keys = [chunks[i].key for i in order]
             try:
-                got = core.store.batch_put(keys, segs)
-                if len(got) != len(keys):
-                    raise RuntimeError(f"{len(got)} statuses for {len(keys)} keys")
-            except Exception:  # a bug: this piece fails, the later ones are still freed
-                logger.exception("save %r: put failed", job.job_id)
-                got = [Status.UNAVAILABLE] * len(keys)
+                got = self._put([chunks[i] for i in order], keys, take(segs, order))
             finally:
                 if piece.staging is not None:
                     self.arena.free(piece.staging)
                     self.stuck = False
             statuses.update(zip(keys, got, strict=True))
+            sizes = [sizes[i] for i in order]
             if got.count(ok) == len(got):
                 nbytes += sum(sizes)
             else:
@@ -230,6 +249,43 @@ class Saves:
                 core.stats.failures.update(s.value for s in put if not s.stored)
         self.finish(job, statuses, nbytes)
 
+    def _put(
+        self, chunks: Sequence[ChunkRef], keys: list[str], segs: Sequence[Segments]
+    ) -> list[Status]:
+        """One piece's puts; objects refused for lack of space go again while the
+        pool evicts, for up to ``FULL_RETRY_S``."""
+        core = self.core
+        got = self._batch_put(keys, segs)
+        todo = [i for i, st in enumerate(got) if st is Status.NO_SPACE]
+        if not todo:
+            return got
+        with core.counting():
+            core.stats.puts_no_space += len(todo)
+        t0 = time.monotonic()
+        pause = FULL_PAUSE_S[0]
+        while todo and time.monotonic() - t0 + pause <= FULL_RETRY_S:
+            time.sleep(pause)  # Mooncake's eviction runs on its own clock: nothing to await
+            pause = min(FULL_PAUSE_S[1], pause * 2)
+            again = self._batch_put([keys[i] for i in todo], take(segs, todo))
+            for i, st in zip(todo, again, strict=True):
+                got[i] = st
+            todo = [i for i in todo if got[i] is Status.NO_SPACE]
+        with core.counting():
+            core.stats.full_wait_s += time.monotonic() - t0
+        if todo:
+            self._note("no_space", len({chunks[i].chunk for i in todo}))
+        return got
+
+    def _batch_put(self, keys: list[str], segs: Sequence[Segments]) -> list[Status]:
+        try:
+            got = self.core.store.batch_put(keys, segs)
+            if len(got) != len(keys):
+                raise RuntimeError(f"{len(got)} statuses for {len(keys)} keys")
+        except Exception:  # a bug: this piece fails, the later ones are still freed
+            logger.exception("kvpool: a put failed")
+            got = [Status.UNAVAILABLE] * len(keys)
+        return got
+
     def _wait_staged(self, job: Job, n: int) -> Piece | None:
         """Piece ``n`` of ``job`` once the caller staged it; None if it was refused."""
         with self._staged:
@@ -243,7 +299,9 @@ class Saves:
         self._pressure_until = time.monotonic() + delay
         with self.core.counting():
             self.core.stats.backpressure_events += 1
-        logger.warning("pool put failed (%s); skipping saves for %.1f s", cause.value, delay)
+        logger.warning(
+            "kvpool: pool put failed (%s); skipping saves for %.1f s", cause.value, delay
+        )
 
     def finish(self, job: Job, statuses: dict[str, Status], nbytes: int = 0) -> None:
         skipped = job.skipped + list(statuses.values()).count(Status.EXISTS)

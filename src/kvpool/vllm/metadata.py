@@ -40,6 +40,10 @@ class ChunkOp:
 class RequestOps:
     req_id: str
     chunks: tuple[ChunkOp, ...]
+    # Saves: the pool lacked chunks from this index on at the request's lookup, so a
+    # worker puts them even if it remembers putting them (evicted since); None: no
+    # lookup said (the worker skips keys it stored or loaded recently).
+    fresh_from: int | None = None
 
 
 @dataclass

@@ -80,6 +80,7 @@ class _Request:
     request: Any  # vllm.v1.request.Request
     saved: int = 0  # chunks [0, saved) were handed to the workers' saves
     load: tuple[int, int] | None = None  # chunks [a, b) to load, not yet sent
+    pool_end: int | None = None  # the pool's prefix at the lookup, in chunks
 
 
 class SchedulerSide:
@@ -97,6 +98,7 @@ class SchedulerSide:
         self.kv_cache_manager = kv_cache_manager
         self._requests: dict[str, _Request] = {}
         self._planned: dict[str, tuple[int, int]] = {}  # req -> chunks [a, b) to load
+        self._pool_end: dict[str, int] = {}  # req -> the pool's prefix at its lookup, chunks
         # chunk hash -> until (monotonic), oldest first; at most _MAX_SUPPRESSED
         self._suppressed: OrderedDict[bytes, float] = OrderedDict()
         self._async_started: set[str] = set()
@@ -182,6 +184,7 @@ class SchedulerSide:
             hit = self.lookup.lookup(req_id, hashes, request.num_tokens)
         self.lookups += 1
         # Whole chunks only, and never the last prompt token (vLLM must compute it).
+        self._pool_end[req_id] = min(hit // chunk, len(hashes))
         hit = min(
             hit // chunk * chunk, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk
         )
@@ -193,6 +196,7 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
+        state.pool_end = self._pool_end.pop(request.request_id, state.pool_end)
         plan = self._planned.pop(request.request_id, None)
         if num_external_tokens > 0 and plan is not None:
             state.load = plan
@@ -236,7 +240,7 @@ class SchedulerSide:
             if end > state.saved or states:
                 chunks = self._chunk_ops(state, state.saved, end, states, limit)
                 if chunks:
-                    meta.saves.append(RequestOps(req_id, chunks))
+                    meta.saves.append(RequestOps(req_id, chunks, state.pool_end))
                     if self.events:
                         self._expect_stored(req, chunks)
                 state.saved = max(state.saved, end)
@@ -362,6 +366,7 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         self._chains.pop(req_id, None)
         self._planned.pop(req_id, None)
+        self._pool_end.pop(req_id, None)
         if req_id in self._async_started:
             self._async_started.discard(req_id)
             self.lookup.cancel(req_id)

@@ -9,8 +9,9 @@
     KVPoolPromMetrics registers ``vllm:kvpool_*`` counters and gauges, per engine
 
 Counters: chunks and bytes saved and loaded, chunks skipped as already stored,
-saves and chunks refused (backpressure, staging busy), transfer failures by
-status (label ``cause``), lookups and lookup failures by reason (label ``reason``:
+saves and chunks refused (backpressure, staging busy), puts that met a full pool
+(and went again), transfer failures by status (label ``cause``; ``missing``: an
+object evicted between lookup and load), lookups and lookup failures by reason (label ``reason``:
 timeout, unreachable, store_unavailable, backoff, ...), backpressure events.
 Gauges: transfer queue depth, backpressure (0/1). The hit rate is vLLM's own:
 ``vllm:external_prefix_cache_hits_total / vllm:external_prefix_cache_queries_total``.
@@ -42,6 +43,8 @@ COUNTERS = {
     "chunks_loaded": "Chunk objects loaded from the pool",
     "bytes_loaded": "Payload bytes loaded from the pool",
     "backpressure_events": "Times saves were paused because the pool refused puts",
+    "puts_no_space": "Chunk objects whose put met a full pool and went again once it "
+    "had evicted (those still refused after a while: transfer_failures{cause=no_space})",
     "lookups": "Lookups the scheduler asked the pool (answered, failed or timed out)",
 }
 # Counters with a second label: data key of the per-label counts -> (name, label, doc).
@@ -76,6 +79,7 @@ def stats_delta(
         "bytes_loaded": now.bytes_loaded - before.bytes_loaded,
         "load_failures": sum(failures.values()),
         "backpressure_events": now.backpressure_events - before.backpressure_events,
+        "puts_no_space": now.puts_no_space - before.puts_no_space,
         "failures_by_cause": dict(failures),
         "queue_depth": queue_depth,
         "backpressure": int(backpressure),

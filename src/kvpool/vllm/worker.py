@@ -403,6 +403,9 @@ class WorkerSide:
             return
         for ops in meta.saves:
             pairs = self._refs(ops, writing=True)
+            if pairs and ops.fresh_from is not None:
+                # Missing from the pool at the lookup: put even if put before (evicted).
+                self.engine.forget(r.key for r, _ in pairs if r.chunk >= ops.fresh_from)
             if pairs:
                 hashes = {r.key: h for r, h in pairs} if self._events else None
                 self._submit_save(ops.req_id, [r for r, _ in pairs], hashes)

@@ -1,0 +1,133 @@
+"""``kvpool bench capacity``: hit rates of a pool whose working set is N times its memory.
+
+Runs ``kvpool.bench.capacity.run_capacity_bench`` (a fresh pool per N, a Zipf
+trace of prefixes replayed by fresh engines) and prints a row per N beside an
+LRU cache of the same bytes on the same trace. Takes minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from kvpool.bench.capacity import CapacityBench, CapacityWorkload
+from kvpool.bench.shapes import SHAPES
+from kvpool.cli.bench_cmd import bench
+from kvpool.cli.bench_vllm_cmd import shape_or_fail
+from kvpool.cli.console import PhaseBars, bench_table, console
+from kvpool.pool.local import LEASE_TTL_MS
+
+__all__ = ["capacity_table"]
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1000:.0f}"
+
+
+def capacity_table(result: CapacityBench) -> Table:
+    w = result.workload
+    title = (
+        f"a {w.pool_mib} MiB pool, {result.shape.kv_bytes_per_token >> 10} KiB of KV per "
+        f"token, {w.prefix_tokens}-token prefixes (Zipf {w.alpha:g}), {w.engines} engines"
+    )
+    columns = ("N", "reqs", "hits", "LRU", "gap", "newest", "evicted", "retry", "drop", "gone",
+               "hit ms", "miss ms")  # fmt: skip
+    t = bench_table(title, columns, left=0)
+    for r in result.rows:
+        t.add_row(
+            f"{r.ratio}x",
+            str(r.requests),
+            f"{r.pool_hit_rate:.0%}",
+            f"{r.lru_hit_rate:.0%}",
+            f"{(r.lru_hit_rate - r.pool_hit_rate) * 100:+.0f}",
+            f"{r.newest_kept:.0%}",
+            f"{r.evicted_bytes / (1 << 20):.0f}M",
+            str(r.puts_retried),
+            str(r.dropped),
+            str(r.missing_loads),
+            _ms(r.ttft_hit_s),
+            _ms(r.ttft_miss_s),
+        )
+    t.caption = (
+        "N: working set over pool memory; hits: prompt tokens loaded from the pool over "
+        "those any cache could supply; LRU: an LRU cache of the pool's bytes on the same "
+        "trace; gap: LRU minus pool, in points; newest: what a fresh engine then loads of "
+        "the 4 prefixes used last; evicted: bytes the pool evicted; retry: "
+        "objects whose put met a full pool and went again; drop: still refused after "
+        "that; gone: loads of objects evicted since their lookup; hit/miss ms: TTFT "
+        "medians of requests with and without a pool hit"
+    )
+    return t
+
+
+@bench.command("capacity")
+@click.option("--shape", default="small", show_default=True,
+              help=f"KV shape: one of {', '.join(SHAPES)}, or LxHxD[:dtype].")  # fmt: skip
+@click.option("--pool-mib", default=128, show_default=True, type=click.IntRange(min=32))
+@click.option("--prefix-len", default=512, show_default=True, type=click.IntRange(min=32))
+@click.option("--ratios", default="1,2,4,8", show_default=True,
+              help="Working sets as multiples of the pool's memory.")  # fmt: skip
+@click.option("--requests-per-prefix", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--alpha", default=1.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--engines", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--lease-ttl-ms", default=LEASE_TTL_MS, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--local-cache/--no-local-cache",
+    default=False,
+    show_default=True,
+    help="vLLM's own prefix cache in the engines (off: every reuse is a pool hit).",
+)
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench_capacity(
+    shape: str,
+    pool_mib: int,
+    prefix_len: int,
+    ratios: str,
+    requests_per_prefix: int,
+    alpha: float,
+    engines: int,
+    lease_ttl_ms: int,
+    local_cache: bool,
+    workdir: Path | None,
+    as_json: bool,
+) -> None:
+    """Pool hit rate against an LRU cache when the working set is N times the pool."""
+    from kvpool.bench.capacity import run_capacity_bench
+
+    model_shape = shape_or_fail(shape)
+    if prefix_len % 32:
+        raise click.BadParameter(
+            f"must be a multiple of 32, got {prefix_len}", param_hint="--prefix-len"
+        )
+    try:
+        ns = tuple(int(x) for x in ratios.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"comma-separated integers, got {ratios!r}", param_hint="--ratios"
+        ) from None
+    if not ns or min(ns) < 1:
+        raise click.BadParameter(f"integers >= 1, got {ratios!r}", param_hint="--ratios")
+    workload = CapacityWorkload(
+        pool_mib=pool_mib,
+        prefix_tokens=prefix_len,
+        ratios=ns,
+        requests_per_prefix=requests_per_prefix,
+        alpha=alpha,
+        engines=engines,
+        lease_ttl_ms=lease_ttl_ms,
+        local_cache=local_cache,
+    )
+    with tempfile.TemporaryDirectory(prefix="kvpool-capacity-") as tmp, PhaseBars() as bars:
+        result = run_capacity_bench(
+            workdir or Path(tmp), shape=model_shape, workload=workload, on_progress=bars
+        )
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(result)))
+    else:
+        console.print(capacity_table(result))

@@ -1,0 +1,66 @@
+"""``kvpool bench capacity``'s pure parts: the trace, the LRU reference, the table."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from rich.console import Console
+
+from kvpool.bench.capacity import CapacityBench, CapacityRow, CapacityWorkload, lru_hits, zipf_trace
+from kvpool.bench.shapes import SHAPES
+from kvpool.cli.bench_capacity_cmd import capacity_table
+
+
+def test_a_zipf_trace_is_skewed_and_repeatable() -> None:
+    trace = zipf_trace(64, 2000, alpha=1.0, seed=3)
+    assert trace == zipf_trace(64, 2000, alpha=1.0, seed=3)
+    counts = Counter(trace)
+    assert counts[0] > 5 * counts[9] > 0  # a few hot prefixes ...
+    assert sum(1 for n in counts.values() if n <= 10) > 16  # ... and a long tail
+    assert Counter(zipf_trace(4, 4000, alpha=0.0))[3] > 800  # alpha 0: uniform
+
+
+def test_the_lru_reference_keeps_what_was_used_last_and_loses_a_prefix_from_its_end() -> None:
+    # 3 chunks per prefix, room for 4 chunks.
+    assert lru_hits([0, 0], chunks=3, capacity=4) == [0, 3]
+    # 0, then 1 pushes out 0's chunks (its end first: 0 keeps its first chunk).
+    assert lru_hits([0, 1, 0], chunks=3, capacity=4) == [0, 0, 1]
+    assert lru_hits([0, 1, 1], chunks=3, capacity=4) == [0, 0, 3]
+    assert lru_hits([0, 1, 2, 0], chunks=2, capacity=100) == [0, 0, 0, 2]
+
+
+def _row(ratio: int, pool: int, lru: int) -> CapacityRow:
+    return CapacityRow(ratio, 8 * ratio, 24 * ratio, 1000, pool, lru, 5 << 20, 40, 9, 12,
+                       0, 3, 0.025, 0.061, 0.75)  # fmt: skip
+
+
+def test_the_table_fits_80_columns_and_shows_the_gap_to_lru() -> None:
+    result = CapacityBench(
+        SHAPES["small"], CapacityWorkload(), (_row(1, 700, 710), _row(4, 450, 530))
+    )
+    console = Console(width=80, record=True)
+    console.print(capacity_table(result))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("4x"))
+    assert row.split()[:6] == ["4x", "96", "45%", "53%", "+8", "75%"]
+    assert "…" not in text  # no header cut short
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ratios", "1,x"], "comma-separated"),
+        (["--ratios", "0"], ">= 1"),
+        (["--prefix-len", "100"], "multiple of 32"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    from kvpool.cli.app import run
+
+    rc = run(["bench", "capacity", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.count("\n") == 1

@@ -4,8 +4,9 @@ A random Llama with 32 KiB of KV per token (8 layers, 8 KV heads of 64, float32)
 512-token prompts (16 MiB of KV each), a 96 MiB pool. A hot prompt H is asked by
 each of four fresh engines in turn; each engine also runs three one-off prompts,
 so 208 MiB pass through the pool (H and one engine's one-offs fill two thirds of
-it: the pool keeps what was used last, as an LRU cache of its size would). Every later engine loads H; nothing is dropped
-(puts that find the pool full go again once it evicted); and a fresh engine at
+it: the pool keeps what was used last, as an LRU cache of its size would). Every
+later engine loads H; nothing is dropped (puts that find the pool full go again
+once it evicted); and a fresh engine at
 the end loads the two newest one-offs whole. vLLM's own prefix cache is off, so
 every reuse comes from the pool.
 """

@@ -510,3 +510,26 @@ def test_a_pool_secret_signs_objects_and_forged_ones_are_refused(
     assert c["results"][0]["cached_tokens"] == 0
     assert c["connector"]["failures"].get("forged", 0) >= 1
     assert set(c["connector"]["failures"]) == {"forged"}
+
+
+def test_a_producer_fills_the_pool_and_a_consumer_only_reads_it(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """vLLM's kv_role: the prefill side (kv_producer) saves and never looks up; the
+    decode side (kv_consumer) loads every chunk, answers like an engine without
+    kvpool, and adds nothing to the pool, not even for prompts new to it."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    base = run_engine(spec(tiny_model, "none"))
+    producer = run_engine(spec(tiny_model, "kvpool", pool_file, kv_role="kv_producer"))
+    assert producer["connector"]["lookups"] == 0 and producer["connector"]["hit_tokens"] == 0
+    keys, chunks = pool_objects(local_pool, prompts())
+    assert len(keys) == chunks * TINY_KV_HEADS  # every chunk saved
+    fresh = prompts(seed=9)  # prompts the pool has never seen
+    consumer = run_engine(
+        spec(tiny_model, "kvpool", pool_file, kv_role="kv_consumer", prompts=[*prompts(), *fresh])
+    )
+    assert_same_outputs({"results": consumer["results"][:3]}, base)
+    assert consumer["results"][0]["cached_tokens"] >= 256  # from the pool
+    stats = consumer["connector"]
+    assert stats["chunks_saved"] == 0 and stats["bytes_saved"] == 0
+    assert len(pool_objects(local_pool, prompts())[0]) == len(keys)  # not one key more

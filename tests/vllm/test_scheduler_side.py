@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvpool.chunkhash import ChunkChain
+from kvpool.errors import ConfigError
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings, parse_extra
@@ -184,6 +185,33 @@ def test_saves_say_where_the_pool_lacked_chunks_at_the_lookup() -> None:
     manager2.tables["q"] = (list(range(2)),)
     (save,) = s2.build_meta(step([("q", 0)], {"q": 2 * B})).saves
     assert save.fresh_from is None
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_a_producer_never_loads_and_a_consumer_never_saves(role: str) -> None:
+    lookup, manager = FakeLookup(4 * B), FakeManager()
+    s = SchedulerSide(identity(), ConnectorSettings(), lookup, manager, role=role)
+    req = FakeRequest.make("r", 6 * B + 3)
+    got = s.matched_tokens(req, 0)
+    assert got == ((0, False) if role == "kv_producer" else (4 * B, True))
+    assert bool(lookup.calls) is (role != "kv_producer")  # a producer never asks
+    s.after_alloc(req, got[0])
+    manager.tables["r"] = (list(range(7)),)
+    first = s.build_meta(step([("r", 0)], {"r": 6 * B + 3} if not got[0] else {}))
+    cached = SimpleNamespace(req_ids=["r"], num_computed_tokens=[got[0]])
+    out = step([], {"r": 6 * B + 3 - got[0]})
+    out.scheduled_cached_reqs = cached
+    later = s.build_meta(out)
+    saves = first.saves + later.saves
+    assert bool(saves) is (role != "kv_consumer"), saves
+    assert bool(first.loads) is (role != "kv_producer")
+    s.loads_ended({"r"})
+    assert s.finish("r") is (role != "kv_consumer")  # blocks kept only for saves
+
+
+def test_an_unknown_role_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="kv_role must be one of"):
+        SchedulerSide(identity(), ConnectorSettings(), FakeLookup(0), FakeManager(), role="x")
 
 
 def test_failed_load_suppresses_chunks_so_lookups_do_not_loop() -> None:

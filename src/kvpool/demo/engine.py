@@ -8,7 +8,8 @@ SPEC: {"model": folder, "prompts": [[token ids], ...], "max_tokens": n,
        "warmup": bool, "warmup_tokens": n, "progress": bool,
        "kv_events_endpoint": "tcp://127.0.0.1:PORT", "tp": 1, "pp": 1,
        "env": {"NAME": "value"}, "log_level": "DEBUG", "settle_saves": bool,
-       "max_num_batched_tokens": n, "num_blocks": n, "prefix_caching": bool}
+       "max_num_batched_tokens": n, "num_blocks": n, "prefix_caching": bool,
+       "kv_role": "kv_both" | "kv_producer" | "kv_consumer"}
 
 Prompts are sent one at a time, so each one's time to first token is its own.
 With ``"settle_saves": true`` the engine keeps stepping after the last prompt
@@ -78,7 +79,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         transfer = KVTransferConfig(
             kv_connector="KVPoolConnector",
             kv_connector_module_path="kvpool.vllm",
-            kv_role="kv_both",
+            kv_role=spec.get("kv_role", "kv_both"),
             kv_load_failure_policy=spec.get("failure_policy", "recompute"),
             kv_connector_extra_config=spec.get("extra", {}),
         )
@@ -215,36 +216,39 @@ def _generate(llm: Any, greedy: Any, ids: list[int]) -> dict[str, Any]:
 
 
 def _connector_stats(llm: Any) -> dict[str, Any]:
-    """kvpool's counters from both halves (one process: multiprocessing is off)."""
-    out: dict[str, Any] = {}
-    try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+    """kvpool's counters from both halves (one process: multiprocessing is off); {}
+    for an engine without kvpool. A failure to read them is a bug: it raises."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-        worker = getattr(get_kv_transfer_group(), "worker", None)
-        stats = worker.stats() if worker is not None else None
-        if stats is not None:
-            out.update(
-                bytes_saved=stats.bytes_put,
-                bytes_loaded=stats.bytes_loaded,
-                load_s=stats.load_s,
-                chunks_saved=stats.chunks_put,
-                chunks_loaded=stats.chunks_loaded,
-                failures=dict(stats.failures),
-                saves_refused=dict(stats.saves_refused),
-                backpressure_events=stats.backpressure_events,
-                puts_no_space=stats.puts_no_space,
-                chunks_refused=dict(stats.chunks_refused),
-                loads_timed_out=stats.loads_timed_out,
-                chunks_discarded=stats.chunks_discarded,
-            )
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
-        if sched is not None:
-            out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
-            client_stats = getattr(sched.lookup, "stats", None)
-            if client_stats is not None:  # lookups answered as misses, by cause
-                out["lookup_failures"] = dict(client_stats.misses)
-    except Exception as exc:  # stats are a nicety of the demo, never its failure
-        out["error"] = repr(exc)
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    if type(connector).__name__ != "KVPoolConnector":
+        return {}
+    out: dict[str, Any] = {}
+    worker = connector.worker
+    stats = worker.stats() if worker is not None else None
+    if stats is not None:
+        out.update(
+            bytes_saved=stats.bytes_put,
+            bytes_loaded=stats.bytes_loaded,
+            load_s=stats.load_s,
+            chunks_saved=stats.chunks_put,
+            chunks_loaded=stats.chunks_loaded,
+            failures=dict(stats.failures),
+            saves_refused=dict(stats.saves_refused),
+            backpressure_events=stats.backpressure_events,
+            puts_no_space=stats.puts_no_space,
+            chunks_refused=dict(stats.chunks_refused),
+            loads_timed_out=stats.loads_timed_out,
+            chunks_discarded=stats.chunks_discarded,
+        )
+    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+    if sched is not None:
+        out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
+        client_stats = getattr(sched.lookup, "stats", None)
+        if client_stats is not None:  # lookups answered as misses, by cause
+            out["lookup_failures"] = dict(client_stats.misses)
     return out
 
 

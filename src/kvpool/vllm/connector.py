@@ -260,7 +260,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._closers.insert(0, client.close)
         self._lookup_client = client
         logger.info("kvpool: scheduler lookups at %s (pool %s)", endpoint, pool.master_address)
-        return SchedulerSide(identity, settings, client, events=events)
+        role = str(getattr(self._vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
+        return SchedulerSide(identity, settings, client, events=events, role=role)
 
     # ==============================
     # Scheduler side

@@ -31,6 +31,10 @@ settings and exist only with prefix caching on). Block ids come from vLLM's KV
 cache manager at the step they are used (never from a mirror of the block
 tables). The lookup itself is the lookup service (``kvpool.lookup``), served in
 this process with a deadline on every call.
+
+Roles (vLLM's ``kv_role``): ``kv_producer`` (the prefill side of a prefill/decode
+pair) saves and never looks up (every lookup answers 0); ``kv_consumer`` (the
+decode side) loads and plans no save; ``kv_both`` does both.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Any, Protocol
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvpool.chunkhash import ChunkChain
+from kvpool.errors import ConfigError
 from kvpool.groups import GroupKind
 from kvpool.settings import ConnectorSettings
 from kvpool.vllm.identity import EngineIdentity
@@ -75,6 +80,9 @@ class Lookup(Protocol):
     def cancel(self, req_id: str) -> None: ...
 
 
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
 @dataclass
 class _Request:
     request: Any  # vllm.v1.request.Request
@@ -91,9 +99,16 @@ class SchedulerSide:
         lookup: Lookup,
         kv_cache_manager: Any = None,
         events: bool = False,
+        role: str = "kv_both",
     ) -> None:
+        if role not in ROLES:
+            raise ConfigError(f"kv_role must be one of {', '.join(ROLES)}, got {role!r}")
         self.identity = identity
         self.settings = settings
+        # vLLM's kv_role: a producer (the prefill side) saves and never loads, a
+        # consumer (the decode side) loads and never saves; kv_both does both.
+        self.loads = role != "kv_producer"
+        self.saves = role != "kv_consumer"
         self.lookup = lookup
         self.kv_cache_manager = kv_cache_manager
         self._requests: dict[str, _Request] = {}
@@ -115,7 +130,7 @@ class SchedulerSide:
         # Workers retry a refused save while vLLM keeps the request's blocks (the
         # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
         # then kept until its saves are done.
-        self._drains = not events and identity.keeps_blocks
+        self._drains = not events and identity.keeps_blocks and self.saves
         # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off
         # (the block holding the state after exactly that chunk), never by position.
         self._states = frozenset(
@@ -166,6 +181,8 @@ class SchedulerSide:
         return hashes
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.loads:  # a kv_producer: the pool is written, never read
+            return 0, False
         chunk = self.identity.chunk_size
         req_id = request.request_id
         hashes = self._hashes(request)
@@ -229,7 +246,7 @@ class SchedulerSide:
         before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         for req_id, n in out.num_scheduled_tokens.items():
             current = self._requests.get(req_id)
-            if current is None or req_id in loading:
+            if current is None or req_id in loading or not self.saves:
                 continue
             state = current
             req = state.request

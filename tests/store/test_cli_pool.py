@@ -210,7 +210,12 @@ def test_a_pool_file_of_another_host_makes_clients_advertise_their_own_address(
     pool_file = tmp_path / "pool.json"
     data = {"master_address": "127.0.0.1:50051", "local_hostname": "auto"}
     pool_file.write_text(json.dumps(data))
-    assert load_config({"pool_file": str(pool_file)}, env={}).local_hostname == "127.0.0.1"
+    assert (
+        load_config(
+            {"pool_file": str(pool_file)}, env={"KVPOOL_HOME": "/nonexistent/kvpool-test-home"}
+        ).local_hostname
+        == "127.0.0.1"
+    )
     assert route_address("127.0.0.1:1") == "127.0.0.1"
 
 
@@ -228,7 +233,12 @@ def test_up_with_a_secret_keeps_it_in_an_owner_only_pool_file(
     assert len(secret) == 64 and bytes.fromhex(secret)
     assert home.pool_file.stat().st_mode & 0o777 == 0o600
     assert secret not in r.stdout + r.stderr and "signed" in r.stdout
-    assert load_config({"pool_file": str(home.pool_file)}, env={}).pool_secret == secret
+    assert (
+        load_config(
+            {"pool_file": str(home.pool_file)}, env={"KVPOOL_HOME": "/nonexistent/kvpool-test-home"}
+        ).pool_secret
+        == secret
+    )
     assert home.kvpool("down").returncode == 0
 
     master = pool_factory(with_holder=False)

@@ -127,7 +127,9 @@ def test_pool_file_round_trip(local_pool: LocalPool, tmp_path: Path) -> None:
     assert data["segment_size"] == 256 * MiB
     assert "created" in data and "global_segment_size" not in data
 
-    cfg = load_config({"pool_file": str(path)}, env={})
+    cfg = load_config(
+        {"pool_file": str(path)}, env={"KVPOOL_HOME": "/nonexistent/kvpool-test-home"}
+    )
     assert cfg.master_address == local_pool.master_address
     assert cfg.holder_address == local_pool.holder_address
     assert cfg.metrics_url == local_pool.metrics_url

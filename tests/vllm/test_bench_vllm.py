@@ -13,8 +13,8 @@ def test_both_connectors_save_everything_and_warm_engines_hit_it(tmp_path: Path)
     result = run_engine_bench(tmp_path, shape=shape, lengths=(300, 340))
     assert [r.name for r in result.runs] == ["kvpool", "mooncake"]
     assert all(p > 0 for p in result.prefill_s) and all(h > 0 for h in result.local_hit_s)
-    # The prompts and the warm-up prompt (as long as the longest), chunk by chunk.
-    chunks = 300 // 32 + 340 // 32 + 340 // 32
+    # The prompts, chunk by chunk (the warm-up prompt, shorter than a block, is not).
+    chunks = 300 // 32 + 340 // 32
     for run in result.runs:
         # Each cold engine stayed up until its saves were in the pool, so each warm
         # engine can find every full chunk but the last token's (never loaded).
@@ -30,5 +30,8 @@ def test_both_connectors_save_everything_and_warm_engines_hit_it(tmp_path: Path)
         else:
             # vLLM's in-tree connector at times finds nothing for one of the two
             # prompts although every key is stored (CI, twice: 320 of 608 tokens);
-            # the bench reports what it finds, it need not find all.
-            assert run.warm_hit_tokens <= 608, run
+            # the bench reports what it finds: "no hits" there, never a speed-up.
+            assert run.warm_hit_tokens > 0, run
+            for i, row in enumerate(run.rows):
+                if row.hit_tokens == 0:
+                    assert result.verdict(run, i) == "no hits"

@@ -6,19 +6,21 @@ One random model with a real model's KV shape (``kvpool.bench.shapes``), one
 pool, one prompt per length (distinct random tokens). A *baseline* engine with
 no connector runs each prompt twice: a full prefill, then a local prefix-cache
 hit (what the best possible load would leave to compute). For each connector a
-*cold* engine saves and stays up until its saves are in the pool (or 120 s
-passed), then a *warm* engine in a fresh process (empty local cache, as after a
-restart or on another replica) runs the same prompts. Every engine first runs
-one unrelated prompt as long as the longest, so no measured request pays the
-process's first-request costs (vLLM compiles its logprobs kernel on the first
-request that asks for logprobs: 2-4 s here; and the first touch of memory).
+*cold* engine saves and stays up until its saves are in the pool (a bench whose
+saves did not land in ``SAVE_WAIT_S`` fails, saying so), then a *warm* engine in
+a fresh process (empty local cache, as after a restart or on another replica)
+runs the same prompts. Every engine first runs one unrelated prompt shorter than
+a block, so no measured request pays the process's first-request costs (vLLM
+compiles its logprobs kernel on the first request that asks for logprobs: 2-4 s
+here) and no pool ever sees the warm-up.
 
 Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
 TTFT over the prefill's, the load rate (kvpool's own load time per request;
 for other connectors hit bytes over the warm TTFT minus the local-hit TTFT), and
 that load time over one plain memory copy of the same bytes (``copy_seconds``,
 measured in the same run). A warm run with no hits is a "no hits" verdict,
-never a speedup. Outputs are compared with the baseline run that computed the
+and one whose answer differs from the baseline's is "differs": never a speedup.
+Outputs are compared with the baseline run that computed the
 same tokens: the local hit (only the uncached tail), or the full prefill for a
 warm run that hit nothing.
 """
@@ -38,10 +40,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
-from kvpool.demo.engine import warmup_prompt
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
 from kvpool.demo.tiny_model import build_shaped_llama
+from kvpool.errors import KVPoolError
 from kvpool.layout import Layout
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 from kvpool.settings import parse_extra
@@ -50,8 +52,15 @@ __all__ = ["ConnectorRun", "EngineBench", "LengthRow", "copy_seconds", "run_engi
 
 Progress = Callable[[str, int, int], None]
 
+
+class BenchFailed(KVPoolError):
+    """A step of the bench did not do what its figures rest on; one line, with a log."""
+
+
 BLOCK = 32
 MAX_TOKENS = 4
+WARMUP_TOKENS = BLOCK // 2  # the warm-up prompt: shorter than a block, never pooled
+SAVE_WAIT_S = 120.0  # a cold engine's saves must be in the pool by then, else the bench fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +154,8 @@ class EngineBench:
         row = run.rows[i]
         if row.hit_tokens == 0:
             return "no hits"
+        if not row.identical:
+            return "differs"
         return f"{self.prefill_s[i] / row.warm_ttft_s:.1f}x"
 
 
@@ -186,8 +197,7 @@ def _run_cold(
     ``chunk`` tokens. Completed, not merely counted: the master counts a key
     from the start of its put."""
     prompts = spec["prompts"]
-    warm = warmup_prompt(max(len(p) for p in prompts))
-    objects = distinct_chunks([*prompts, warm], chunk) * objects_per_chunk
+    objects = distinct_chunks(prompts, chunk) * objects_per_chunk
     phase = f"{name} cold"
     progress(phase, 0, len(prompts))
     cold_spec = {**spec, "phases": [prompts], "settle_saves": name == "kvpool"}
@@ -198,11 +208,15 @@ def _run_cold(
     with session:
         session.next_phase(timeout=3600)
         base = completed_puts(before)
-        wait_until(
-            lambda: completed_puts(master_metrics(metrics_url)) - base >= objects,
-            120.0,
-            step=0.2,
-        )
+
+        def done() -> float:
+            return completed_puts(master_metrics(metrics_url)) - base
+
+        if not wait_until(lambda: done() >= objects, SAVE_WAIT_S, step=0.2):
+            raise BenchFailed(
+                f"the {name} cold engine's saves did not all land in {SAVE_WAIT_S:.0f} s: "
+                f"{done():.0f} of {objects} objects (log: {workdir / (name + '-cold.log')})"
+            )
         return session.finish(timeout=300)
 
 
@@ -279,7 +293,10 @@ def run_engine_bench(
         "block_size": BLOCK,
         "dtype": shape.dtype,
         "max_model_len": max_len,
+        # A prompt shorter than a block first: no measured request pays the first
+        # request's costs (2-4 s of kernel compiles), and no pool sees it.
         "warmup": True,
+        "warmup_tokens": WARMUP_TOKENS,
         "progress": True,
         "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},
     }

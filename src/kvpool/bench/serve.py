@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 CONNECTORS = ("none", "kvpool", "mooncake")
+RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU of every server (see run_serve_bench)
 
 
 class BenchFailed(KVPoolError):
@@ -213,8 +214,9 @@ def _phase(server: VllmServer, run: Callable[[], dict[str, float]]) -> Phase:
     )
 
 
-def _settled_puts(metrics_url: str, timeout_s: float = 120.0) -> None:
-    """Wait until the pool's completed puts stop growing (the saves landed)."""
+def _settled_puts(metrics_url: str, name: str, timeout_s: float = 120.0) -> None:
+    """Wait until the pool's completed puts stop growing (the saves landed); a pool
+    still taking puts after ``timeout_s`` fails the bench."""
     last = [-1.0]
 
     def still() -> bool:
@@ -223,7 +225,8 @@ def _settled_puts(metrics_url: str, timeout_s: float = 120.0) -> None:
         last[0] = now
         return done
 
-    wait_until(still, timeout_s, step=2.0)
+    if not wait_until(still, timeout_s, step=2.0):
+        raise BenchFailed(f"the {name} server's saves were still landing after {timeout_s:.0f} s")
 
 
 def run_serve_bench(
@@ -258,14 +261,19 @@ def run_serve_bench(
         cfg = pool.config()
         pool_file = str(pool.write_pool_file(workdir / "pool.json"))
         for name in connectors:
-            args, env = list(engine_args), {}
+            # Every server reserves the same cores for vLLM's other processes: with a KV
+            # connector vLLM reserves one more per worker, and on this 2-core machine
+            # the server without a connector ran one OpenMP thread against the
+            # connectors' two (its prefill took 16.8 s against 9.7 s: not a connector's
+            # doing).
+            args, env = list(engine_args), {"VLLM_CPU_NUM_OF_RESERVED_CPU": RESERVED_CPUS}
             if name == "kvpool":
                 args += ["--kv-transfer-config", kv_transfer_config(pool_file)]
             elif name == "mooncake":
                 args += ["--kv-transfer-config", json.dumps({
                     "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                     "kv_load_failure_policy": "recompute"})]  # fmt: skip
-                env = mooncake_env(workdir, cfg.master_address)
+                env.update(mooncake_env(workdir, cfg.master_address))
             phases = []
             for phase in ("cold", "warm"):
                 server = VllmServer(
@@ -282,7 +290,7 @@ def run_serve_bench(
                     client = functools.partial(_bench_client, server, model, workload, out, log)
                     phases.append(_phase(server, client))
                     if phase == "cold" and name != "none" and cfg.metrics_url:
-                        _settled_puts(cfg.metrics_url)
+                        _settled_puts(cfg.metrics_url, name)
                 finally:
                     server.stop()
                 done += 1

@@ -7,7 +7,15 @@
                                environment overrides (KVPOOL_*)
     pool_file_path(env)        where ``kvpool up`` writes the pool file and
                                everything else looks for it by default
-    read_pool_file(path)       parse a pool file (ConfigError if malformed)
+    read_pool_file(path)       parse a pool file: ``PoolNotFound`` if there is none,
+                               ``ConfigError`` if it is there but unreadable,
+                               malformed or holds an unknown key
+    did_you_mean(word, known)  "; did you mean X?" for the closest known name, or ""
+
+One rule for a pool file: absent (no file where one is looked for) means no
+pool (``PoolNotFound``: an engine serves without one, saying so once); present
+but unreadable or invalid means a setting to fix (``ConfigError``: an engine
+stops at start with one line naming the file and the key).
 
 Pure: reads only the file it is pointed at (and warns if a secret in it is
 readable by others); no sockets, no Mooncake.
@@ -16,13 +24,14 @@ A bad value raises ``ConfigError`` naming the field and what it accepts.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from decimal import Decimal
 from pathlib import Path
@@ -32,7 +41,9 @@ from kvpool.errors import ConfigError, PoolNotFound
 
 __all__ = [
     "ENV_PREFIX",
+    "POOL_FILE_FACTS",
     "PoolConfig",
+    "did_you_mean",
     "documented",
     "load_config",
     "parse_bool",
@@ -178,6 +189,18 @@ class PoolConfig:
 
 _FIELDS = {f.name: f for f in fields(PoolConfig)}
 _SIZES = {"global_segment_size", "local_buffer_size"}
+# What a pool file of ``kvpool up`` holds beside PoolConfig fields: facts about its
+# processes (``LocalPool.pool_file_data``), read by ``kvpool status`` and ``down``.
+POOL_FILE_FACTS = frozenset(
+    {"host", "master_pid", "holder_pid", "segment_size", "client_ttl", "lease_ttl_ms",
+     "created", "disk_dir", "disk_bytes"}
+)  # fmt: skip
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the known name closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _is_host_port(s: str) -> bool:
@@ -208,26 +231,38 @@ def pool_file_path(env: Mapping[str, str] | None = None) -> Path:
 
 
 def read_pool_file(path: str | Path) -> dict[str, Any]:
-    """The JSON object in a pool file; ``PoolNotFound`` (a ConfigError) if it is
-    unreadable or malformed."""
+    """The JSON object in a pool file. ``PoolNotFound`` when there is no file there;
+    ``ConfigError`` when it is there but unreadable, not a JSON object, or holds a
+    key that is neither a pool setting nor a fact ``kvpool up`` writes."""
     try:
         raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise PoolNotFound(f"no pool file at {path}") from None
     except OSError as exc:
-        raise PoolNotFound(f"cannot read pool file {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read pool file {path}: {exc.strerror or exc}") from None
     except ValueError:  # a NUL in the path
-        raise PoolNotFound(
+        raise ConfigError(
             f"cannot read pool file {str(path)!r}: its name holds a NUL byte"
         ) from None
     try:
         data = json.loads(raw.decode())
     except UnicodeDecodeError as exc:
-        raise PoolNotFound(f"pool file {path} is not UTF-8 text: {exc}") from None
+        raise ConfigError(f"pool file {path} is not UTF-8 text: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise PoolNotFound(f"pool file {path} is not valid JSON: {exc}") from None
+        raise ConfigError(
+            f"pool file {path} is not valid JSON ({exc}); fix it, or remove it and run "
+            "`kvpool up` to write a new one"
+        ) from None
     except RecursionError:
-        raise PoolNotFound(f"pool file {path} is not a pool file: JSON nested too deeply") from None
+        raise ConfigError(f"pool file {path} is not a pool file: JSON nested too deeply") from None
     if not isinstance(data, dict):
-        raise PoolNotFound(f"pool file {path} must hold a JSON object")
+        raise ConfigError(f"pool file {path} must hold a JSON object, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in set(data) - set(_FIELDS) - POOL_FILE_FACTS)
+    if unknown:
+        raise ConfigError(
+            f"pool file {path}: unknown key(s) {', '.join(map(repr, unknown))}"
+            f"{did_you_mean(unknown[0], _FIELDS)}; pool settings: {', '.join(sorted(_FIELDS))}"
+        )
     return data
 
 
@@ -249,7 +284,8 @@ def load_config(
     )
     if unknown:
         raise ConfigError(
-            f"unknown pool setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}"
+            f"unknown pool setting(s) {', '.join(unknown)}{did_you_mean(unknown[0], _FIELDS)}; "
+            f"known: {', '.join(sorted(_FIELDS))}"
         )
     values: dict[str, Any] = {}
     path = extra.get("pool_file") or env.get("KVPOOL_POOL_FILE") or ""
@@ -259,7 +295,7 @@ def load_config(
     try:
         present = bool(path) or file.exists()
     except OSError as exc:  # e.g. a name too long, or a directory it may not search
-        raise PoolNotFound(f"cannot read pool file {file}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read pool file {file}: {exc.strerror or exc}") from None
     if present:
         data = read_pool_file(file)
         if data.get("pool_secret"):

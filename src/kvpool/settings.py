@@ -6,16 +6,27 @@
 
 Keys that are ``PoolConfig`` fields (``pool_file``, ``master_address``, ...)
 go to ``kvpool.config.load_config``; the keys below configure the connector.
-An unknown key is an error that lists the known ones.
+An unknown key is an error that names the closest known one and lists them all;
+a value of the wrong type (``null`` for a folder, ``1`` for ``"on"``, a dict for a
+list) is an error naming the key and what it takes, never a converted default.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
 
-from kvpool.config import ENV_PREFIX, PoolConfig, documented, parse_bool, parse_number, parse_size
+from kvpool.config import (
+    ENV_PREFIX,
+    PoolConfig,
+    did_you_mean,
+    documented,
+    parse_bool,
+    parse_number,
+    parse_size,
+)
 from kvpool.errors import ConfigError
 
 __all__ = ["ConnectorSettings", "parse_extra", "parse_layer_bands", "settings_table"]
@@ -99,11 +110,15 @@ _POOL = {f.name for f in fields(PoolConfig)}
 def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
     """Split and validate ``kv_connector_extra_config``."""
     extra = dict(extra or {})
-    unknown = sorted(set(extra) - set(_CONNECTOR) - _POOL)
+    unknown = sorted(
+        k if isinstance(k, str) and k.isidentifier() else repr(k)
+        for k in set(extra) - set(_CONNECTOR) - _POOL
+    )
     if unknown:
-        known = ", ".join(sorted(set(_CONNECTOR) | _POOL))
+        known = sorted(set(_CONNECTOR) | _POOL)
         raise ConfigError(
-            f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}; known: {known}"
+            f"unknown kv_connector_extra_config key(s) {', '.join(unknown)}"
+            f"{did_you_mean(unknown[0], known)}; known: {', '.join(known)}"
         )
     pool = {k: v for k, v in extra.items() if k in _POOL}
     values: dict[str, Any] = {}
@@ -125,27 +140,37 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
         elif name in ("lookup_timeout_ms", "failed_key_ttl_s", "load_timeout_s"):
             values[name] = parse_number(v, f"kv_connector_extra_config.{name}")
         elif name == "shared_memory":
-            if v in (True, False):
+            if v is True or v is False:
                 v = "on" if v else "off"
-            if v not in ("auto", "on", "off"):
+            if not isinstance(v, str) or v not in ("auto", "on", "off"):
                 raise ConfigError(
-                    f"kv_connector_extra_config.shared_memory must be auto, on or off, got {v!r}"
+                    f"kv_connector_extra_config.shared_memory must be auto, on or off "
+                    f"(or true/false), got {v!r}"
                 )
             values[name] = v
         elif name == "load_mode":
-            if v not in ("auto", "direct", "staged"):
+            if not isinstance(v, str) or v not in ("auto", "direct", "staged"):
                 raise ConfigError(
                     f"kv_connector_extra_config.load_mode must be auto, direct or staged, got {v!r}"
                 )
             values[name] = v
-        else:
-            values[name] = str(v)
+        else:  # run_dir, instance, store: text
+            if not isinstance(v, str):
+                raise ConfigError(
+                    f"kv_connector_extra_config.{name} must be a string (empty for the "
+                    f"default), got {v!r}"
+                )
+            values[name] = v
     return ConnectorSettings(**values), pool
 
 
 def parse_layer_bands(value: Any, name: str) -> tuple[int, ...]:
-    """``[0, 16]``, ``(0, 16)`` or ``"0,16"`` as a tuple of layer indices; a
-    ``ConfigError`` naming ``name`` otherwise."""
+    """``[0, 16]``, ``(0, 16)`` or ``"0,16"`` as a tuple of layer indices, in
+    increasing order and each once; a ``ConfigError`` naming ``name`` otherwise (a
+    dict, or bands out of order, are refused, not read as keys or sorted)."""
+    example = 'e.g. [0, 16] or "0,16"'
+    if not isinstance(value, str | list | tuple):
+        raise ConfigError(f"{name} lists the layers where a band begins, {example}; got {value!r}")
     items = value.split(",") if isinstance(value, str) else value
     try:
         out = tuple(
@@ -155,8 +180,13 @@ def parse_layer_bands(value: Any, name: str) -> tuple[int, ...]:
         )
     except (TypeError, ConfigError):
         raise ConfigError(
-            f'{name} lists the layers where a band begins, e.g. [0, 16] or "0,16"; got {value!r}'
+            f"{name} lists the layers where a band begins, {example}; got {value!r}"
         ) from None
+    if any(b <= a for a, b in itertools.pairwise(out)):
+        raise ConfigError(
+            f"{name} must list each band's first layer once, in increasing order "
+            f"(e.g. {list(sorted(set(out)))}); got {value!r}"
+        )
     return out
 
 

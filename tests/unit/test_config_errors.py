@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -14,19 +15,43 @@ from kvpool.errors import ConfigError, PoolNotFound
 NO_HOME = {"KVPOOL_HOME": "/nonexistent/kvpool-test-home"}
 
 
+def test_a_missing_pool_file_is_pool_not_found(tmp_path: Path) -> None:
+    path = tmp_path / "pool.json"
+    with pytest.raises(PoolNotFound, match=f"no pool file at {path}"):
+        load_config({"pool_file": str(path)}, env=NO_HOME)
+
+
 @pytest.mark.parametrize(
-    "content", [None, '{"master_address": "127.0.0.1:1", ', "[1, 2]", b"\xff\xfe"]
+    ("content", "needle"),
+    [
+        ('{"master_address": "127.0.0.1:1", ', "not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        (b"\xff\xfe", "not UTF-8"),
+        ('{"master_adress": "127.0.0.1:1"}', "'master_adress'; did you mean master_address?"),
+    ],
 )
-def test_a_missing_or_unreadable_pool_file_is_pool_not_found(
-    tmp_path: Path, content: str | bytes | None
+def test_a_pool_file_that_is_there_but_invalid_is_a_setting_to_fix(
+    tmp_path: Path, content: str | bytes, needle: str
 ) -> None:
+    """One rule: absent = no pool (the engine serves without it); present but
+    invalid = stop at start, naming the file and what is wrong (a typo once read
+    as "no pool file was found", and the engine ran without the pool)."""
     path = tmp_path / "pool.json"
     if isinstance(content, bytes):
         path.write_bytes(content)
-    elif content is not None:
+    else:
         path.write_text(content)
-    with pytest.raises(PoolNotFound, match="pool file"):
+    with pytest.raises(ConfigError, match=re.escape(needle)) as raised:
         load_config({"pool_file": str(path)}, env=NO_HOME)
+    assert not isinstance(raised.value, PoolNotFound) and str(path) in str(raised.value)
+
+
+def test_a_pool_file_of_kvpool_up_holds_only_keys_a_reader_knows(tmp_path: Path) -> None:
+    from kvpool.pool import LocalPool
+
+    pool = LocalPool(tmp_path, "127.0.0.1:1", "http://127.0.0.1:2", disk_dir="/d", secret="")
+    path = pool.write_pool_file(tmp_path / "pool.json")
+    assert load_config({"pool_file": str(path)}, env=NO_HOME).master_address == "127.0.0.1:1"
 
 
 def test_no_pool_at_all_is_pool_not_found(tmp_path: Path) -> None:
@@ -119,3 +144,36 @@ def test_a_pool_file_with_a_secret_is_its_owners_alone(
         load_config({"pool_file": str(path)}, env=NO_HOME)
     warnings = [r for r in caplog.records if "others may read it" in r.getMessage()]
     assert len(warnings) == 1 and secret not in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"run_dir": None}, "run_dir must be a string"),  # was a folder named "None"
+        ({"instance": 7}, "instance must be a string"),
+        ({"store": ["mooncake"]}, "store must be a string"),
+        ({"shared_memory": 1}, "shared_memory must be auto, on or off"),  # was "on"
+        ({"load_mode": True}, "load_mode must be auto, direct or staged"),
+        ({"layer_bands": {"0": 1, "16": 2}}, "lists the layers where a band begins"),
+        ({"layer_bands": [16, 0]}, "in increasing order"),  # was quietly sorted
+        ({"layer_bands": "0,16,16"}, "once, in increasing order"),
+        ({"lookup_timout_ms": 5}, "did you mean lookup_timeout_ms?"),
+    ],
+)
+def test_a_connector_setting_of_the_wrong_kind_is_refused_never_converted(
+    extra: dict[str, object], needle: str
+) -> None:
+    from kvpool.settings import parse_extra
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_extra(extra)
+
+
+def test_settings_of_the_right_kind_still_parse() -> None:
+    from kvpool.settings import parse_extra
+
+    settings, _ = parse_extra(
+        {"shared_memory": True, "layer_bands": "0,16", "run_dir": "/tmp/k", "load_mode": "staged"}
+    )
+    assert settings.shared_memory == "on" and settings.layer_bands == (0, 16)
+    assert settings.run_dir == "/tmp/k" and settings.load_mode == "staged"

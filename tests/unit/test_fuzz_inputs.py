@@ -39,6 +39,7 @@ from kvpool.layout import ContentId, Layout
 from kvpool.lookup import wire
 from kvpool.lookup.server import LookupServer
 from kvpool.lookup.wire import ErrorCode, ErrorReply
+from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store.memory import MemoryStore
 
 FAST = settings(max_examples=60, deadline=None)
@@ -547,6 +548,46 @@ _SETTINGS = [name for name in PoolConfig.__dataclass_fields__ if name != "pool_f
 pool_objects = st.dictionaries(st.sampled_from(_SETTINGS) | st.text(max_size=10), json_values)
 
 
+_CONNECTOR_KEYS = [name for name in ConnectorSettings.__dataclass_fields__]
+connector_objects = st.dictionaries(
+    st.sampled_from(_CONNECTOR_KEYS) | st.text(max_size=10), json_values, max_size=4
+)
+
+
+@MORE
+@given(connector_objects)
+@example({"run_dir": None})
+@example({"shared_memory": 1})
+@example({"layer_bands": {"0": 1}})
+@example({"layer_bands": [3, 1]})
+@example({"staging_bytes": True})
+def test_connector_settings_are_taken_as_written_or_refused_with_one_line(
+    extra: dict[str, Any],
+) -> None:
+    """parse_extra's contract: each known key's value is taken as documented (a
+    string setting holds the very string given; bools, numbers and sizes parse by
+    their one rule), or a ConfigError of one line names the key; never a
+    traceback, never a value converted to something else."""
+    try:
+        settings, _ = parse_extra(extra)
+    except ConfigError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and any(str(k) in msg or repr(k) in msg for k in extra), msg
+        return
+    for name, value in extra.items():
+        got = getattr(settings, name)
+        if name in ("run_dir", "instance", "store", "load_mode"):
+            assert got == value and isinstance(value, str)
+        elif name == "shared_memory":
+            assert got == {True: "on", False: "off"}.get(value, value)
+        elif name in ("lookup_async", "save_decode", "zero_copy"):
+            assert isinstance(got, bool) and got == config.parse_bool(value, name)
+        elif name == "layer_bands":
+            assert list(got) == sorted(set(got)) and all(isinstance(b, int) for b in got)
+        else:  # numbers and sizes: finite, never a bool taken for one
+            assert not isinstance(value, bool) and got >= 0
+
+
 @pytest.fixture
 def pool_dir(tmp_path: Path) -> Path:
     return tmp_path
@@ -571,7 +612,6 @@ def test_read_pool_file_returns_an_object_or_names_the_file(pool_dir: Path, raw:
 @pytest.mark.parametrize(
     ("name", "needle"),
     [
-        ("missing.json", "No such file"),
         (".", "Is a directory"),
         ("a" * 5000, "File name too long"),
         ("a\0b", "NUL byte"),
@@ -653,7 +693,7 @@ def test_load_config_from_a_random_pool_file(pool_dir: Path, content: Any, how: 
         ({"pool_file": "a\0b"}, {}, "NUL"),
         ({"pool_file": "x" * 5000}, {}, "cannot read pool file"),
         ({}, {"KVPOOL_HOME": "x" * 5000}, "cannot read pool file"),
-        ({}, {"KVPOOL_POOL_FILE": "/nonexistent/kvpool/pool.json"}, "cannot read pool file"),
+        ({}, {"KVPOOL_POOL_FILE": "/nonexistent/kvpool/pool.json"}, "no pool file at"),
     ],
 )
 def test_bad_pool_file_paths_are_config_errors(
@@ -706,6 +746,17 @@ def _assert_one_line_error(rc: int, out: str, err: str, needle: str) -> None:
         (["up", "--master", "nohost"], "HOST:PORT"),
         (["up", "--master", "h:70000"], "HOST:PORT"),
         (["up", "--master", "h:\u00b2"], "HOST:PORT"),
+        (["up", "--host", "0.0.0.0"], "cannot reach it"),  # advertised to other hosts
+        (["up", "--host", "localhost"], "is not an IPv4 address"),
+        (["up", "--disk-size", "1GB"], "--disk-size goes with --disk"),
+        (["up", "--master", "127.0.0.1:1", "--metrics-url", "127.0.0.1:9"], "http://HOST:PORT"),
+        (
+            ["up", "--master", "127.0.0.1:1", "--metrics-url", "http://127.0.0.1:9"],
+            "does not answer",
+        ),
+        (["bench", "vllm", "--extra", '{"lookup_timeout": 5}'], "did you mean lookup_timeout_ms?"),
+        (["bench", "vllm", "--extra", '{"pool_file": "/x.json"}'], "its own private pool"),
+        (["bench", "vllm", "--extra", '{"run_dir": null}'], "run_dir must be a string"),
         (["plan", "--tp", "100000", "--group", "mla"], "at most 4096"),
         (["nosuchcommand"], "nosuchcommand"),
     ],

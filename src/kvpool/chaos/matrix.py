@@ -633,20 +633,29 @@ def _lease(ctx: ChaosContext, env: RowEnv) -> str:
 
 
 def _bad_config(ctx: ChaosContext, env: RowEnv) -> str:
+    """One rule for a pool file: absent, the engine serves without the pool and says
+    so; there but malformed, the engine stops at start with one line naming it."""
     prompts = ctx.families[0]
     folder = ctx.workdir / env.name
     folder.mkdir(parents=True, exist_ok=True)
-    bad = folder / "pool.json"
+    absent, bad = folder / "absent.json", folder / "pool.json"
     bad.write_text('{"master_address": "127.0.0.1:1", ')  # cut short
-    seen = []
-    for label, path in (("missing", folder / "absent.json"), ("malformed", bad)):
-        r = ctx.run_engine(ctx.spec(None, [prompts], pool_file=str(path)), f"config-{label}")
-        ctx.check_outputs(r["results"], prompts)
-        lines = [ln for ln in r["log"].splitlines() if "connector stays idle" in ln]
-        if not lines or str(path) not in lines[0]:
-            raise RowFailed(f"no clear error naming {path} for the {label} pool file")
-        seen.append(lines[0].split("kvpool: ", 1)[-1][:90])
-    return "engine runs without the pool; logged: " + " | ".join(seen)
+    r = ctx.run_engine(ctx.spec(None, [prompts], pool_file=str(absent)), "config-missing")
+    ctx.check_outputs(r["results"], prompts)
+    lines = [ln for ln in r["log"].splitlines() if "connector stays idle" in ln]
+    if not lines or str(absent) not in lines[0]:
+        raise RowFailed(f"no clear line naming {absent} for the missing pool file")
+    try:
+        ctx.run_engine(ctx.spec(None, [prompts], pool_file=str(bad)), "config-malformed")
+    except EngineFailed as exc:
+        if str(bad) not in str(exc) or "not valid JSON" not in str(exc):
+            raise RowFailed(f"the malformed pool file's error does not name it: {exc}") from None
+        stopped = str(exc).split(": ", 2)[-1][:90]
+    else:
+        raise RowFailed("an engine started on a malformed pool file")
+    return f"missing: served without the pool ({lines[0].split('kvpool: ', 1)[-1][:60]}); " + (
+        f"malformed: stopped at start ({stopped})"
+    )
 
 
 def _engine_killed(ctx: ChaosContext, env: RowEnv) -> str:
@@ -764,8 +773,8 @@ ROWS: list[Row] = [
     ),
     Row(
         "bad-config",
-        "pool file missing or malformed",
-        "one clear line; engine serves without the pool",
+        "pool file missing (serve without it) or malformed (stop at start)",
+        "one clear line each; a missing file serves without the pool",
         _bad_config,
         2,
     ),

@@ -21,8 +21,13 @@ from kvpool.bench.engines import EngineBench
 from kvpool.bench.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.console import PhaseBars, console
+from kvpool.errors import ConfigError
+from kvpool.settings import parse_extra
 
 __all__ = ["connectors_or_fail", "engine_bench_table", "shape_or_fail"]
+
+# Settings that would point the engines away from the bench's private pool.
+_BENCH_OWNS = frozenset({"pool_file", "master_address", "holder_address", "metrics_url"})
 
 
 def engine_bench_table(result: EngineBench) -> Table:
@@ -161,6 +166,17 @@ def bench_vllm(
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--extra") from None
     if not isinstance(settings, dict):
         raise click.BadParameter("a JSON object of settings", param_hint="--extra")
+    # Checked before any engine runs: a typo must not surface after the baseline.
+    taken = sorted(set(settings) & _BENCH_OWNS)
+    if taken:
+        raise click.BadParameter(
+            f"{', '.join(taken)}: the bench runs its own private pool; leave them out",
+            param_hint="--extra",
+        )
+    try:
+        parse_extra(settings)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--extra") from None
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp, PhaseBars() as bars:
         result = run_engine_bench(
             workdir or Path(tmp),

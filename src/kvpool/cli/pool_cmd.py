@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from kvpool.config import parse_size, pool_file_path
-from kvpool.errors import ConfigError, KVPoolError
+from kvpool.errors import ConfigError, KVPoolError, StoreUnavailable
 from kvpool.pool import (
     LocalPool,
     NamespaceSummary,
@@ -41,6 +42,7 @@ from kvpool.pool import (
     pool_status,
 )
 from kvpool.pool.local import LEASE_TTL_MS
+from kvpool.pool.master_api import master_health
 
 
 def _console() -> Console:
@@ -232,6 +234,23 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     return size
 
 
+def _check_metrics_url(url: str) -> None:
+    """Before anything starts: ``--metrics-url`` must be http://HOST:PORT of a master
+    that answers (a typo once ended in a 20 s wait blamed on the holder)."""
+    if not re.fullmatch(r"http://[^/:\s]+:\d{1,5}/?", url):
+        raise click.BadParameter(
+            f"must be http://HOST:PORT, got {url!r}", param_hint="--metrics-url"
+        )
+    try:
+        master_health(url, timeout=3.0)
+    except StoreUnavailable as exc:
+        raise click.BadParameter(
+            f"{url} does not answer as a mooncake_master's metrics server ({exc}); give the "
+            "master's http://HOST:PORT (`kvpool status` on its host shows it)",
+            param_hint="--metrics-url",
+        ) from None
+
+
 def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
@@ -358,6 +377,8 @@ def up(
         raise click.UsageError("--metrics-url goes with --master")
     if disk_size is not None and disk_dir is None:
         raise click.UsageError("--disk-size goes with --disk")
+    if metrics_url:
+        _check_metrics_url(metrics_url)
     pool_secret = ""
     if secret:
         pool_secret = os.environ.get("KVPOOL_POOL_SECRET") or secrets.token_hex(32)

@@ -20,6 +20,7 @@ instead, to outlive the caller.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import os
 import signal
@@ -162,8 +163,22 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
 
 
 def check_local_address(host: str) -> None:
-    """``ConfigError`` unless ``host`` is an IP address of this machine (one a
-    process here can bind)."""
+    """``ConfigError`` unless ``host`` is an IPv4 address of this machine (one a
+    process here can bind) that others can reach it at: not a host name (bind
+    would resolve it to some address) and not a wildcard (the pool would advertise
+    0.0.0.0, which no other host can use)."""
+    try:
+        address = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ConfigError(
+            f"--host {host!r} is not an IPv4 address: give this machine's address that other "
+            "hosts reach it at, e.g. 10.0.0.1 (see `ip -4 addr`), or leave it out for loopback"
+        ) from None
+    if address.is_unspecified or address.is_multicast:
+        raise ConfigError(
+            f"--host {host} would be advertised to engines and holders, who cannot reach it: "
+            "give this machine's address on the pool network, e.g. 10.0.0.1 (see `ip -4 addr`)"
+        )
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))

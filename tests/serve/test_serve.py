@@ -175,3 +175,23 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
         assert "kvpool: scheduler lookups at" in follower.log_path.read_text()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_request_chooses_what_it_saves_and_loads(serve: Serve) -> None:
+    """kv_transfer_params on a request (vLLM's offloading connector's names):
+    max_offload_tokens 0 saves nothing of it, max_load_tokens caps its load (0: no
+    load at all)."""
+    p1, p2, p3 = prompt(11), prompt(12), prompt(13)
+    first = serve("per-request-a")
+    first.complete(p1, kv_transfer_params={"max_offload_tokens": 0})
+    assert metric(first, "vllm:kvpool_chunks_saved_total") == 0  # p1: nothing saved
+    first.complete(p2)
+    first.complete(p3)
+    saved_all(first, 2 * (len(p2) // BLOCK) * 2)  # tiny_model: 2 KV heads, one object each
+    first.stop()
+    second = serve("per-request-b")
+    assert second.complete(p1).cached_tokens == 0  # never saved
+    capped = second.complete(p2, kv_transfer_params={"max_load_tokens": 2 * BLOCK + 5})
+    assert capped.cached_tokens == 2 * BLOCK
+    assert second.complete(p3, kv_transfer_params={"max_load_tokens": 0}).cached_tokens == 0
+    assert metric(second, "vllm:kvpool_chunks_loaded_total") == 2 * 2  # p2's two chunks

@@ -32,6 +32,7 @@ class FakeRequest:
     lora_request: Any = None
     cache_salt: str | None = None
     prompt_embeds: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     @classmethod
     def make(cls, rid: str, tokens: int) -> FakeRequest:
@@ -207,6 +208,42 @@ def test_a_producer_never_loads_and_a_consumer_never_saves(role: str) -> None:
     assert bool(first.loads) is (role != "kv_producer")
     s.loads_ended({"r"})
     assert s.finish("r") is (role != "kv_consumer")  # blocks kept only for saves
+
+
+def test_a_request_can_limit_or_refuse_its_loads_and_saves(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kv_transfer_params, with the names of vLLM's offloading connector:
+    max_load_tokens (0: no lookup), max_offload_tokens (0: no save)."""
+    s, lookup, _ = side(hit=5 * B)
+
+    def ask(rid: str, **params: Any) -> tuple[int | None, bool]:
+        req = FakeRequest.make(rid, 6 * B + 3)
+        req.kv_transfer_params = params
+        return s.matched_tokens(req, num_computed_tokens=B)
+
+    assert ask("a") == (4 * B, True)
+    assert ask("b", max_load_tokens=2 * B + 7) == (2 * B, True)  # whole chunks
+    calls = len(lookup.calls)
+    assert ask("c", max_load_tokens=0) == (0, False) and len(lookup.calls) == calls
+    caplog.set_level("WARNING", logger="kvpool")
+    assert ask("d", max_load_tokens="lots") == (4 * B, True)  # ignored, said once
+    assert ask("d", max_load_tokens="lots") == (4 * B, True)
+    assert caplog.text.count("max_load_tokens must be a whole number >= 0, got 'lots'") == 1
+
+    def saved(**params: Any) -> list[int]:
+        s2, _, m2 = side(hit=0)
+        req = FakeRequest.make("r", 6 * B + 3)
+        req.kv_transfer_params = params
+        s2.matched_tokens(req, 0)
+        s2.after_alloc(req, 0)
+        m2.tables["r"] = (list(range(7)),)
+        meta = s2.build_meta(step([("r", 0)], {"r": 6 * B + 3}))
+        return [c.chunk for ops in meta.saves for c in ops.chunks]
+
+    assert saved() == [0, 1, 2, 3, 4, 5]
+    assert saved(max_offload_tokens=2 * B + 5) == [0, 1]
+    assert saved(max_offload_tokens=0) == []
 
 
 def test_an_unknown_role_is_a_config_error() -> None:

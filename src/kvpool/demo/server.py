@@ -9,10 +9,11 @@
     server.failure()           None while the server and its engines are healthy;
                                else that one line (a dead engine leaves the API
                                server up, answering 500s)
-    server.complete(ids, dp_rank=None, max_tokens=8) -> Completion
+    server.complete(ids, dp_rank=None, max_tokens=8, kv_transfer_params=None)
                                one greedy completion of a token-id prompt; with
                                ``dp_rank``, vLLM routes it to that DP engine
-                               (``X-data-parallel-rank``)
+                               (``X-data-parallel-rank``); ``kv_transfer_params``
+                               go to the connector (per-request control)
     server.metrics()           the server's Prometheus text (``/metrics``)
     server.stop(timeout_s)     SIGTERM the process group, SIGKILL what is left
     kv_transfer_config(pool_file, **extra)   the JSON ``kvpool up`` prints
@@ -173,15 +174,21 @@ class VllmServer:
         return failure_line(f"vllm serve {self.name}: an engine died", None, self.log_path)
 
     def complete(
-        self, ids: Sequence[int], dp_rank: int | None = None, max_tokens: int = 8
+        self,
+        ids: Sequence[int],
+        dp_rank: int | None = None,
+        max_tokens: int = 8,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Completion:
-        body = {
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": list(ids),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "logprobs": 1,
         }
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         headers = {"Content-Type": "application/json"}
         if dp_rank is not None:
             headers["X-data-parallel-rank"] = str(dp_rank)

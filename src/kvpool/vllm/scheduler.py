@@ -35,6 +35,13 @@ this process with a deadline on every call.
 Roles (vLLM's ``kv_role``): ``kv_producer`` (the prefill side of a prefill/decode
 pair) saves and never looks up (every lookup answers 0); ``kv_consumer`` (the
 decode side) loads and plans no save; ``kv_both`` does both.
+
+Per request (``kv_transfer_params``, the names of vLLM's offloading connector):
+``max_load_tokens`` N loads at most N tokens beyond what vLLM has locally (0: no
+lookup at all), ``max_offload_tokens`` N saves at most the first N prompt tokens
+(0: nothing). A value that is not a whole number >= 0 is ignored for that
+request, with one warning naming it (vLLM gives a connector no way to fail one
+request).
 """
 
 from __future__ import annotations
@@ -81,6 +88,34 @@ class Lookup(Protocol):
 
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+_WARNED: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+
+def _limit(request: Any, name: str) -> int | None:
+    """``kv_transfer_params[name]`` of a request: a whole number >= 0, or None
+    (absent, or not such a number: ignored, with a warning naming it)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or name not in params:
+        return None
+    value = params[name]
+    if type(value) is int and value >= 0:
+        return value
+    key = (getattr(request, "request_id", "?"), name)
+    if key in _WARNED:  # each bad field once per request (this runs every step)
+        return None
+    _WARNED[key] = None
+    while len(_WARNED) > 1024:
+        _WARNED.popitem(last=False)
+    logger.warning(
+        "kvpool: request %s: kv_transfer_params.%s must be a whole number >= 0, got %r; "
+        "ignored",
+        getattr(request, "request_id", "?"),
+        name,
+        value,
+    )
+    return None
 
 
 @dataclass
@@ -183,6 +218,9 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.loads:  # a kv_producer: the pool is written, never read
             return 0, False
+        most = _limit(request, "max_load_tokens")
+        if most == 0:  # this request asked for no load
+            return 0, False
         chunk = self.identity.chunk_size
         req_id = request.request_id
         hashes = self._hashes(request)
@@ -205,6 +243,8 @@ class SchedulerSide:
         hit = min(
             hit // chunk * chunk, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk
         )
+        if most is not None:  # at most this many tokens loaded, whole chunks
+            hit = min(hit, (num_computed_tokens + most) // chunk * chunk)
         need = hit - num_computed_tokens
         if need <= 0 or num_computed_tokens % chunk:
             return 0, False
@@ -251,6 +291,9 @@ class SchedulerSide:
             state = current
             req = state.request
             limit = req.num_tokens if self.settings.save_decode else req.num_prompt_tokens
+            most = _limit(req, "max_offload_tokens")
+            if most is not None:  # this request saves at most its first ``most`` tokens
+                limit = min(limit, most)
             done = min(before.get(req_id, 0) + n, limit)
             end = min(done // self.identity.chunk_size, self._hashed_chunks(req))
             states = handoffs.get(req_id, {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.pool import HOLDER_BINARY, MASTER_BINARY, LocalPool, is_mooncake_process
+from kvpool.store.base import Status
 
 PoolFactory = Callable[..., LocalPool]  # the conftest fixture's type
 _KVPOOL = "import sys; from kvpool.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -252,3 +254,46 @@ def test_up_with_a_secret_keeps_it_in_an_owner_only_pool_file(
     bad = joining.kvpool("up", "--secret", "--master", master.master_address)
     assert bad.returncode != 0 and "pool_secret must be" in bad.stderr
     assert "not-hex" not in bad.stderr and not joining.pool_file.exists()
+
+
+def test_purge_removes_one_models_objects_and_nothing_else(home: Home) -> None:
+    """kvpool purge: a dry run counts, a real one removes the model's objects only
+    (another model's, and keys that are not kvpool's, stay), while an engine-like
+    reader holds a lease on one of them (removed once the lease ends)."""
+    from kvpool.keys import KeySpace
+    from kvpool.layout import Layout
+    from kvpool.pool import LocalPool, master_keys
+    from kvpool.store.mooncake import MooncakeStore
+
+    home.up("--lease-ttl-ms", "500")
+    pool = LocalPool.attach(home.pool_file)
+    layout = Layout.create(groups=["gqa:2"])
+    spaces = {
+        m: KeySpace.create(model=m, layout=layout, kv_dtype="f32", model_dtype="f32",
+                           chunk_size=32, head_size=64, num_layers=2)
+        for m in ("org/a", "org/b")
+    }  # fmt: skip
+    keys = {
+        m: [s.key(c, bytes([n]) * 8) for c in layout.holdings(0, 0) for n in range(5)]
+        for m, s in spaces.items()
+    }
+    buf = bytearray(4096)
+    addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    with MooncakeStore(pool.config()) as store:
+        everything = [*keys["org/a"], *keys["org/b"], "someone-else/object"]
+        assert store.batch_put(everything, [[(addr, len(buf))]] * len(everything)) == [
+            Status.OK
+        ] * len(everything)
+        dry = home.kvpool("purge", "--model", "org/a", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert "would remove 10 objects of model org/a" in dry.stdout
+        assert len(master_keys(pool.metrics_url)) == 21  # nothing removed
+        # A reader's lease on one object: the purge waits for it, never forces.
+        store.batch_get(keys["org/a"][:1], [[(addr, len(buf))]])
+        r = home.kvpool("purge", "--model", "org/a", "--wait", "10")
+        assert r.returncode == 0, r.stderr
+        assert "removed 10 objects of model org/a" in r.stdout
+    left = set(master_keys(pool.metrics_url))
+    assert left == {*keys["org/b"], "someone-else/object"}
+    bad = home.kvpool("purge")
+    assert bad.returncode == 2 and "--model and/or --fingerprint, or --all" in bad.stderr

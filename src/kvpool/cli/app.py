@@ -26,7 +26,7 @@ from kvpool.cli.bench_cmd import bench
 from kvpool.cli.chaos_cmd import chaos
 from kvpool.cli.console import console
 from kvpool.cli.demo_cmd import demo
-from kvpool.cli.pool_cmd import down, status, up
+from kvpool.cli.pool_cmd import down, purge, status, up
 from kvpool.errors import KVPoolError
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupSpec, Layout, even_stages
@@ -204,7 +204,7 @@ def settings_cmd() -> None:
     click.echo(settings_table(), nl=False)
 
 
-for command in (up, down, status, bench, demo, chaos):
+for command in (up, down, status, purge, bench, demo, chaos):
     cli.add_command(command)
 
 

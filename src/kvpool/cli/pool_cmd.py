@@ -455,11 +455,88 @@ def status(as_json: bool) -> None:
         raise KVPoolError(f"the master at {pool.master_address} is not answering: {reason}")
 
 
+@click.command()
+@click.option(
+    "--model", default=None, help="Remove the objects of this model (its name as served)."
+)
+@click.option(
+    "--fingerprint",
+    default=None,
+    metavar="HEX",
+    help="Remove the objects of this config fingerprint (`kvpool status` lists them; at "
+    "least 4 hex digits), of one model or of all.",
+)
+@click.option("--all", "everything", is_flag=True, help="Remove every kvpool object.")
+@click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
+@click.option(
+    "--wait",
+    default=5.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds to retry objects in use (an engine reading them holds a lease).",
+)
+def purge(
+    model: str | None, fingerprint: str | None, everything: bool, dry_run: bool, wait: float
+) -> None:
+    """Remove a model's objects from the running pool (safe while engines run)."""
+    from kvpool.pool.master_api import key_bytes, master_keys
+    from kvpool.pool.purge import purge as remove
+    from kvpool.pool.purge import select
+    from kvpool.store.mooncake import MooncakeStore
+
+    if everything == (model is not None or fingerprint is not None):
+        raise click.UsageError("name what to remove: --model and/or --fingerprint, or --all")
+    if fingerprint is not None and not re.fullmatch(r"[0-9a-f]{4,16}", fingerprint):
+        raise click.BadParameter(
+            f"4 to 16 lowercase hex digits, got {fingerprint!r}", param_hint="--fingerprint"
+        )
+    path = pool_file_path()
+    if not path.exists():
+        raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
+    pool = LocalPool.attach(path)
+    keys = select(
+        master_keys(pool.metrics_url), model=model, fingerprint=fingerprint, everything=everything
+    )
+    what = "every kvpool object" if everything else " ".join(
+        f"{name} {value}" for name, value in (("model", model), ("fingerprint", fingerprint))
+        if value is not None
+    )  # fmt: skip
+    if not keys:
+        _console().print(f"kvpool purge: no object of {what} in the pool", soft_wrap=True)
+        return
+    sample = keys[:_PURGE_SAMPLE]
+    size = key_bytes(pool.metrics_url, sample) * len(keys) // len(sample)
+    approx = "~" if len(keys) > len(sample) else ""
+    if dry_run:
+        _console().print(
+            f"kvpool purge --dry-run: would remove {len(keys)} objects of {what}, "
+            f"{approx}{format_bytes(size)}",
+            soft_wrap=True,
+        )
+        return
+    with MooncakeStore(pool.config()) as store:
+        result = remove(store, keys, wait_s=wait)
+    _console().print(
+        f"kvpool purge: removed {result.removed} objects of {what} ({approx}{format_bytes(size)}"
+        f" before); {result.gone} were gone already",
+        soft_wrap=True,
+    )
+    if result.in_use or result.failed:
+        raise KVPoolError(
+            f"{len(result.in_use)} objects still in use after {wait:g} s and {result.failed} the "
+            "pool did not answer for were left; run kvpool purge again"
+        )
+
+
+_PURGE_SAMPLE = 1000  # keys whose size purge asks for, at most (one HTTP request each)
+
+
 __all__ = [
     "down",
     "format_bytes",
     "kv_transfer_config",
     "namespace_table",
+    "purge",
     "status",
     "status_json",
     "status_table",

@@ -6,6 +6,7 @@
     master_keys(url)             every key the master knows (``/get_all_keys``)
     key_hosts(url, keys)         per host, how many of ``keys`` have a replica there
                                  (``/query_key``, one request per key, in parallel)
+    key_bytes(url, keys)         bytes the objects of ``keys`` take (``/query_key``)
     completed_puts(metrics)      objects whose put finished, from ``master_metrics``
     segment_capacities(metrics)  mounted segments -> capacity in bytes
     segment_usage(metrics)       mounted segments -> bytes allocated to objects
@@ -34,6 +35,7 @@ from kvpool.errors import KVPoolError, StoreUnavailable
 
 __all__ = [
     "completed_puts",
+    "key_bytes",
     "key_hosts",
     "master_health",
     "master_keys",
@@ -139,14 +141,15 @@ def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
 _AS_IS = "/%:@=+,"
 
 
-def key_hosts(metrics_url: str, keys: Sequence[str], timeout: float = 2.0) -> Counter[str]:
-    """Per host (the address part of a replica's transport endpoint), how many of
-    ``keys`` have a replica there; a key on two hosts counts on both. A key gone
-    since it was listed, or one the master does not answer for, counts nowhere.
-    Raises ``StoreUnavailable`` only if no key could be asked at all."""
+def _replicas(
+    metrics_url: str, keys: Sequence[str], timeout: float
+) -> list[list[dict[str, Any]] | None]:
+    """Per key, the replicas ``/query_key`` lists ([] when the key is gone), or None
+    when the master did not answer for it. Raises ``StoreUnavailable`` only if it
+    answered for none."""
     base = _endpoint(metrics_url, "/query_key?key=")
 
-    def hosts_of(key: str) -> set[str] | None:
+    def replicas_of(key: str) -> list[dict[str, Any]] | None:
         try:
             body = _http_get(base + urllib.parse.quote(key, safe=_AS_IS), timeout)
             data = json.loads(body.decode())
@@ -154,23 +157,44 @@ def key_hosts(metrics_url: str, keys: Sequence[str], timeout: float = 2.0) -> Co
             return None
         replicas = data.get("data") if isinstance(data, dict) else None
         if not isinstance(replicas, list):
-            return set()  # no such key (any more)
-        return {
-            str(r.get("transport_endpoint_", "")).rpartition(":")[0]
-            for r in replicas
-            if isinstance(r, dict) and r.get("transport_endpoint_")
-        }
+            return []  # no such key (any more)
+        return [r for r in replicas if isinstance(r, dict)]
 
-    counts: Counter[str] = Counter()
     if not keys:
-        return counts
+        return []
     with ThreadPoolExecutor(max_workers=min(8, len(keys))) as pool:
-        answers = list(pool.map(hosts_of, keys))
+        answers = list(pool.map(replicas_of, keys))
     if all(a is None for a in answers):
         raise StoreUnavailable(f"{metrics_url} answered no /query_key request")
-    for hosts in answers:
-        counts.update(hosts or ())
+    return answers
+
+
+def key_hosts(metrics_url: str, keys: Sequence[str], timeout: float = 2.0) -> Counter[str]:
+    """Per host (the address part of a replica's transport endpoint), how many of
+    ``keys`` have a replica there; a key on two hosts counts on both. A key gone
+    since it was listed, or one the master does not answer for, counts nowhere.
+    Raises ``StoreUnavailable`` only if no key could be asked at all."""
+    counts: Counter[str] = Counter()
+    for replicas in _replicas(metrics_url, keys, timeout):
+        counts.update(
+            {
+                str(r.get("transport_endpoint_", "")).rpartition(":")[0]
+                for r in replicas or ()
+                if r.get("transport_endpoint_")
+            }
+        )
     return counts
+
+
+def key_bytes(metrics_url: str, keys: Sequence[str], timeout: float = 2.0) -> int:
+    """Bytes the objects of ``keys`` take (one replica each; headers included), of
+    those the master answers for. Raises ``StoreUnavailable`` as ``key_hosts``."""
+    total = 0
+    for replicas in _replicas(metrics_url, keys, timeout):
+        if replicas:
+            size = replicas[0].get("size_", 0)
+            total += size if isinstance(size, int) else 0
+    return total
 
 
 def segment_capacities(metrics: Mapping[str, float]) -> dict[str, float]:

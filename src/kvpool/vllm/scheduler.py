@@ -109,8 +109,7 @@ def _limit(request: Any, name: str) -> int | None:
     while len(_WARNED) > 1024:
         _WARNED.popitem(last=False)
     logger.warning(
-        "kvpool: request %s: kv_transfer_params.%s must be a whole number >= 0, got %r; "
-        "ignored",
+        "kvpool: request %s: kv_transfer_params.%s must be a whole number >= 0, got %r; ignored",
         getattr(request, "request_id", "?"),
         name,
         value,

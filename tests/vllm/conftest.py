@@ -2,7 +2,7 @@
 
 tiny_model      a random Llama built once per session (offline)
 run_engine      run ``kvpool.demo.engine`` in a fresh process; returns its JSON
-                (lookups get 2 s unless the spec sets a deadline)
+                (lookups get 2 s and loads 60 s unless the spec sets a deadline)
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def run_engine(tmp_path: Path) -> RunEngine:
         count[0] += 1
         extra = spec.get("extra")
         if isinstance(extra, dict) and "pool_file" in extra:
-            # These tests assert hits, not lookup latency (tiers run side by side in
-            # CI): a slow lookup on a loaded machine must not turn into a miss.
-            spec = {**spec, "extra": {"lookup_timeout_ms": 2000, **extra}}
+            # These tests assert hits, not lookup or load latency (tiers run side by
+            # side in CI): a slow lookup or load on a loaded machine must not turn
+            # into a miss.
+            deadlines = {"lookup_timeout_ms": 2000, "load_timeout_s": 60}
+            spec = {**spec, "extra": {**deadlines, **extra}}
         return EngineSession.run(
             spec, tmp_path, f"engine{count[0]}", env={"PYTHONPATH": pythonpath}
         )

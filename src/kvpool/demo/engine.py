@@ -180,9 +180,11 @@ def _settle_saves(llm: Any, greedy: Any, timeout_s: float = 30.0) -> None:
     after the last prompt there is none; each flush prompt is 3 tokens (no full
     chunk: nothing to save or load) and makes a few steps.
     """
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
+    if not has_kv_transfer_group():  # no connector: no saves to wait for
+        return
     worker = getattr(get_kv_transfer_group(), "worker", None)
     flush = TokensPrompt(prompt_token_ids=[7, 8, 9])
     deadline = time.monotonic() + timeout_s

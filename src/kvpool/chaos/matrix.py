@@ -269,6 +269,8 @@ def _master_restart(ctx: ChaosContext, env: RowEnv) -> str:
         s.finish()
     if hit < PREFIX:
         raise RowFailed(f"the seeded prefix was not loaded before the fault ({hit} tokens)")
+    if not misses:  # the fault must show where an operator looks: lookups failed
+        raise RowFailed("the master was down, yet no lookup was counted as failed")
     if not new:
         raise RowFailed("no save reached the restarted master")
     causes = _counts(misses)
@@ -293,6 +295,8 @@ def _holder_killed(ctx: ChaosContext, env: RowEnv) -> str:
         pool.restart_holder()
         new, secs = _run_until_saved(s, pool, 3, set(master_keys(pool.metrics_url)))
         s.finish()
+    if not stats.get("failures"):  # its objects were on the dead holder: loads failed
+        raise RowFailed(f"the holder was dead, yet no load failure was counted: {stats}")
     if not new:
         raise RowFailed("no save landed after the holder came back")
     return (
@@ -523,11 +527,20 @@ def _lookup_garbage(ctx: ChaosContext, env: RowEnv) -> str:
         sock = zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
+        answered = 0
         try:
             for _ in range(300):
                 frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(1, 4))]
                 sock.send_multipart(frames)
                 sent += 1
+            # Each frame is answered (an error reply): read the answers, so the
+            # garbage surely reached the server (a socket closed at once drops what
+            # it has not sent yet).
+            deadline = time.monotonic() + 20
+            while answered < sent and time.monotonic() < deadline:
+                if sock.poll(200):
+                    sock.recv_multipart()
+                    answered += 1
         finally:
             sock.close()
             zctx.term()
@@ -537,7 +550,13 @@ def _lookup_garbage(ctx: ChaosContext, env: RowEnv) -> str:
     hit = p0["results"][0]["cached_tokens"]
     if hit < PREFIX:
         raise RowFailed(f"after the garbage the lookup no longer hits ({hit} tokens)")
-    return f"{sent} random frames sent to the engine's lookup socket; next lookup hit {hit} tokens"
+    refused = sum(p0["connector"].get("lookup_server_errors", {}).values())
+    if answered < sent or refused < sent:  # every garbage frame reached the server
+        raise RowFailed(f"{sent} frames sent, {answered} answered, {refused} counted as errors")
+    return (
+        f"{sent} random frames sent to the engine's lookup socket, each answered as an "
+        f"error ({refused} counted); next lookup hit {hit} tokens"
+    )
 
 
 def _lookup_slow(ctx: ChaosContext, env: RowEnv) -> str:
@@ -666,6 +685,9 @@ def _engine_killed(ctx: ChaosContext, env: RowEnv) -> str:
         a.next_phase()
         a.kill()  # its saves are still queued behind the slow put
     left = len(master_keys(pool.metrics_url))
+    # The kill must have cut saves short (build_tiny_llama: 2 KV heads, an object each).
+    if left >= 2 * distinct_chunks(prompts):
+        raise RowFailed(f"every object ({left}) had landed before the kill: nothing was queued")
     b = ctx.run_engine(ctx.spec(pool, [prompts]), "after-kill")
     ctx.check_outputs(b["results"], prompts)
     if b["connector"].get("failures"):

@@ -245,7 +245,11 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
             loads_timed_out=stats.loads_timed_out,
             chunks_discarded=stats.chunks_discarded,
         )
-    sched = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched
+    sched_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    server = sched_connector.lookup_server
+    if server is not None:  # error replies the lookup server sent, by code
+        out["lookup_server_errors"] = {str(k): v for k, v in server.stats.errors.items()}
+    sched = sched_connector._sched
     if sched is not None:
         out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
         client_stats = getattr(sched.lookup, "stats", None)

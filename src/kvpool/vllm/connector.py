@@ -92,6 +92,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvpool.lookup.client import LookupClient
+    from kvpool.lookup.server import LookupServer
 
 __all__ = ["KVPoolConnector"]
 
@@ -179,6 +180,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._lookup_client: LookupClient | None = None
+        self.lookup_server: LookupServer | None = None  # this engine's, in the scheduler
         self._lookups = LookupInterval()
         self._closers: list[Any] = []
         self._orphan_blocks: set[int] = set()  # loads planned for a worker that is idle
@@ -255,6 +257,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             endpoint, store, identity.layout, identity.space, identity.chunk_size, exact=exact
         )
         server.start()
+        self.lookup_server = server
         self._closers.insert(0, server.close)
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
         self._closers.insert(0, client.close)

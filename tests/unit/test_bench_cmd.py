@@ -114,6 +114,10 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     assert result.load_vs_copy(measured, 0) == pytest.approx(0.25 / (0.1 * (1 << 30) / full))
     assert result.verdict(hit, 0) == "8.0x"
     assert result.verdict(miss, 0) == "no hits" and result.load_gbps(miss, 0) is None
+    short = ConnectorRun("mooncake", hit.rows, 1 << 20, 125, saves_landed=31, saves_expected=156)
+    assert result.verdict(short, 0) == "lost 125"  # saves that never landed: no speed-up
+    differs = ConnectorRun("kvpool", (LengthRow(4000, 8.0, 1.0, 3968, False),), 1 << 20, 125)
+    assert result.verdict(differs, 0) == "differs"
     # 3968 tokens of 128 KiB in the 0.5 s beyond a local hit: 1.04 GB/s
     gbps = result.load_gbps(hit, 0)
     assert gbps is not None and abs(gbps - 3968 * 131072 / 0.5 / 1e9) < 1e-9
@@ -126,6 +130,22 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     assert "no hits" in mc_row and "x" not in mc_row.split()[-2:] and "0%" in mc_row
     assert "128 KiB of KV per token" in text
     assert "32 layers, 8 KV heads x 128, bfloat16" in engine_bench_legend(result)
+    assert result.vs_local(hit, 0) == pytest.approx(2.0) and result.vs_local(miss, 0) is None
+    # the widest cells a run prints still fit an 80-column terminal, nothing cut
+    wide = ConnectorRun(
+        "mooncake",
+        (LengthRow(4000, 12.345, 11.0, 2000, False, 0, 0.0),),
+        1 << 20,
+        95,
+        saves_landed=95,
+        saves_expected=156,
+    )
+    slow = EngineBench(SHAPES["llama3-8b"], (4000,), (18.5,), (0.5,), (hit, wide), (0.03,))
+    narrow = Console(width=80, record=True)
+    narrow.print(engine_bench_table(slow))
+    lines = narrow.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in "".join(lines)
+    assert any("lost 61" in line for line in lines)
 
 
 def test_copy_seconds_times_a_real_copy() -> None:

@@ -165,6 +165,7 @@ SHM_SEGMENTS_IN_FLIGHT = 16384
 # On shared memory a slice costs ~4 us, about a copy of 8 KiB.
 TCP_MERGE_BYTES = 64 << 10
 SHM_MERGE_BYTES = 8 << 10
+WARM_PIECE = 8 << 20  # see MooncakeStore._map_in_holder
 
 
 class MooncakeStore(KVStore):
@@ -293,7 +294,27 @@ class MooncakeStore(KVStore):
             raise StoreError(f"Mooncake refused to register its own shared memory (code {rc})")
         buf = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
         self._staging.append(buf)  # what ``reaches`` answers from
+        self._map_in_holder(addr, nbytes)
         return buf
+
+    def _map_in_holder(self, addr: int, nbytes: int) -> None:
+        """Have the holder touch every page of fresh shared memory once, now.
+
+        The holder copies into and out of this memory through its own mapping, and
+        its first access to each 4 KiB page faults: the first get into fresh staging
+        ran at 1.8 GB/s against 9 GB/s into staging used before (124 MiB, measured),
+        so a fresh engine's first pool hit paid ~55 ms more than its next. Puts of
+        ``WARM_PIECE`` bytes from each part of it (removed at once) map every page
+        for 30-45 ms per 124 MiB, at start instead of on a request. A pool with no
+        room stops it (loads then only run slower the first time)."""
+        for off in range(0, nbytes, WARM_PIECE):
+            key = f"kvpool-warm-up/{os.getpid()}-{addr + off:x}"
+            size = min(WARM_PIECE, nbytes - off)
+            status = self.batch_put([key], Scatter([[addr + off]], [[size]]))[0]
+            if status is not Status.OK:
+                logger.debug("kvpool: shared-memory warm-up stopped (%s)", status)
+                return
+            self.batch_remove([key], force=True)
 
     def unregister_memory(self, addr: int) -> None:
         with self._using() as store:

@@ -22,6 +22,7 @@ def test_both_connectors_save_everything_and_warm_engines_hit_it(tmp_path: Path)
         # per rank.
         assert run.keys_stored == chunks * (2 if run.name == "kvpool" else 1), run
         assert run.identical, run
+        assert run.saves_complete and run.saves_landed >= run.saves_expected == run.keys_stored
         assert all(r.warm_ttft_s > 0 and r.cold_ttft_s > 0 for r in run.rows)
         if run.name == "kvpool":
             assert [r.hit_tokens for r in run.rows] == [288, 320], run

@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 
 from kvpool.bench.capacity import CapacityBench, CapacityRow, CapacityWorkload, lru_hits, zipf_trace
-from kvpool.bench.shapes import SHAPES
 from kvpool.cli.bench_capacity_cmd import capacity_table
+from kvpool.demo.shapes import SHAPES
 
 
 def test_a_zipf_trace_is_skewed_and_repeatable() -> None:

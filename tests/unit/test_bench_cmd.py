@@ -99,8 +99,8 @@ def main(argv: list[str]) -> int:
 
 def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     from kvpool.bench.engines import ConnectorRun, EngineBench, LengthRow
-    from kvpool.bench.shapes import SHAPES
     from kvpool.cli.bench_vllm_cmd import engine_bench_legend, engine_bench_table
+    from kvpool.demo.shapes import SHAPES
 
     hit = ConnectorRun("kvpool", (LengthRow(4000, 8.0, 1.0, 3968, True),), 1 << 20, 125)
     miss = ConnectorRun("mooncake", (LengthRow(4000, 8.0, 7.9, 0, True),), 0, 0)
@@ -156,7 +156,7 @@ def test_copy_seconds_times_a_real_copy() -> None:
 
 
 def test_shapes_have_real_models_kv_sizes_and_custom_ones_parse() -> None:
-    from kvpool.bench.shapes import SHAPES, parse_shape
+    from kvpool.demo.shapes import SHAPES, parse_shape
 
     kib = {name: s.kv_bytes_per_token // 1024 for name, s in SHAPES.items()}
     assert kib["llama3-8b"] == 128 and kib["qwen2.5-7b"] == 56 and kib["llama3-70b-tp8"] == 40

@@ -15,8 +15,8 @@ from kvpool.bench.serve import (
     cache_counts,
     read_bench_result,
 )
-from kvpool.bench.shapes import SHAPES
 from kvpool.cli.bench_serve_cmd import serve_bench_table
+from kvpool.demo.shapes import SHAPES
 
 
 def phase(p50: float, pool: int, failed: int = 0) -> Phase:

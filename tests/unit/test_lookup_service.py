@@ -432,40 +432,6 @@ def test_a_store_that_answers_short_is_an_internal_error(service: Service) -> No
     assert client.stats.misses == {"internal": 1}
 
 
-def test_suppression_cuts_a_long_prompt_before_the_chunk(service: Service) -> None:
-    n = 2047
-    space = space_of(MLA_DCP)
-    store = HoleyStore()
-    server = service.server(store, MLA_DCP, space)
-    client = service.client()
-    hashes = chunk_hashes(n)
-    put_chunks(store, MLA_DCP, space, hashes)
-    server.suppress([read_keys(MLA_DCP, space, hashes[1234])[0], "not/of/this/space"], ttl_s=60)
-    assert client.lookup("r", hashes, n * CHUNK + 1) == 1234 * CHUNK
-
-
-# ---------------------------------------------------------------------------- suppression
-
-
-def test_suppressed_keys_read_missing_until_their_ttl_ends(service: Service) -> None:
-    clock = Clock()
-    space = space_of(HYBRID)
-    store = MemoryStore()
-    server = service.server(store, HYBRID, space, clock=clock)
-    client = service.client()
-    hashes = chunk_hashes(5)
-    put_chunks(store, HYBRID, space, hashes)
-    failed = read_keys(HYBRID, space, hashes[2])[-1]
-    server.suppress([failed], ttl_s=30.0)
-    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 2 * CHUNK
-    clock.now += 29.9
-    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 2 * CHUNK
-    clock.now += 0.2
-    assert client.lookup("r", hashes, 5 * CHUNK + 1) == 5 * CHUNK
-    with pytest.raises(ValueError, match="ttl_s"):
-        server.suppress([failed], ttl_s=0)
-
-
 # ---------------------------------------------------------------------------- reset
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 def test_both_connectors_save_everything_and_warm_engines_hit_it(tmp_path: Path) -> None:
     from kvpool.bench.engines import run_engine_bench
-    from kvpool.bench.shapes import parse_shape
+    from kvpool.demo.shapes import parse_shape
 
     shape = parse_shape("2x2x64:float32")
     result = run_engine_bench(tmp_path, shape=shape, lengths=(300, 340))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.shapes import parse_shape
 from kvpool.demo.run import run_demo
+from kvpool.demo.shapes import parse_shape
 
 
 @pytest.mark.parametrize("shape", [None, "4x4x64:bfloat16"], ids=["float32", "bfloat16"])

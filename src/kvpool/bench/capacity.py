@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.run import run_engine
+from kvpool.demo.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.pool import LocalPool, master_metrics
 from kvpool.pool.local import LEASE_TTL_MS

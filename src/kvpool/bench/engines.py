@@ -2,7 +2,7 @@
 
     run_engine_bench(workdir, shape=..., lengths=(1000, 4000), ...) -> EngineBench
 
-One random model with a real model's KV shape (``kvpool.bench.shapes``), one
+One random model with a real model's KV shape (``kvpool.demo.shapes``), one
 pool, one prompt per length (distinct random tokens). A *baseline* engine with
 no connector runs each prompt twice: a full prefill, then a local prefix-cache
 hit (what the best possible load would leave to compute). For each connector a
@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.run import distinct_chunks, outputs_match, run_engine
 from kvpool.demo.session import EngineSession
+from kvpool.demo.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.layout import Layout
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until

@@ -6,7 +6,7 @@
 
 For each connector (``none``, ``kvpool``, ``mooncake``: vLLM's in-tree
 MooncakeStoreConnector) on one private pool: start ``vllm serve`` on a random
-model with a real model's KV shape (``kvpool.bench.shapes``), run ``vllm bench
+model with a real model's KV shape (``kvpool.demo.shapes``), run ``vllm bench
 serve`` with its prefix-repetition dataset (the *cold* phase; a connector's
 saves are waited for), restart the whole server (local caches empty, the pool
 kept), and run the same prompts again (the *warm* phase: the prompts a
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench.engines import BLOCK, mooncake_env
-from kvpool.bench.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.failure import failure_line
 from kvpool.demo.server import ServerFailed, VllmServer, kv_transfer_config, vllm_command
+from kvpool.demo.shapes import SHAPES, TINY_HIDDEN, ModelShape
 from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.errors import KVPoolError
 from kvpool.pool import (

@@ -16,10 +16,10 @@ import click
 from rich.table import Table
 
 from kvpool.bench.capacity import CapacityBench, CapacityWorkload
-from kvpool.bench.shapes import SHAPES
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import shape_or_fail
 from kvpool.cli.console import PhaseBars, bench_table, console
+from kvpool.demo.shapes import SHAPES
 from kvpool.pool.local import LEASE_TTL_MS
 
 __all__ = ["capacity_table"]

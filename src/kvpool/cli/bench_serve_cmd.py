@@ -16,10 +16,10 @@ import click
 from rich.table import Table
 
 from kvpool.bench.serve import CONNECTORS, ServeBench, Workload
-from kvpool.bench.shapes import SHAPES
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
 from kvpool.cli.console import PhaseBars, bench_table, console
+from kvpool.demo.shapes import SHAPES
 
 __all__ = ["serve_bench_table"]
 

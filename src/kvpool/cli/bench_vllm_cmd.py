@@ -18,9 +18,9 @@ from rich import box
 from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
-from kvpool.bench.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.console import PhaseBars, console
+from kvpool.demo.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.errors import ConfigError
 from kvpool.settings import parse_extra
 

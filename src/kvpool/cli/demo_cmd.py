@@ -18,9 +18,9 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
-from kvpool.bench.shapes import parse_shape
 from kvpool.cli.console import PhaseBars
 from kvpool.demo.run import DemoReport
+from kvpool.demo.shapes import parse_shape
 
 __all__ = ["demo", "demo_tables"]
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.shapes import TINY_HIDDEN, ModelShape
 from kvpool.demo.session import EngineFailed, EngineSession
+from kvpool.demo.shapes import TINY_HIDDEN, ModelShape
 from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.pool import LocalPool, master_metrics
 
@@ -160,7 +160,7 @@ def run_demo(
     shape: ModelShape | None = None,
     on_progress: Progress | None = None,
 ) -> DemoReport:
-    """``shape``: a real model's KV shape (``kvpool.bench.shapes``) instead of the
+    """``shape``: a real model's KV shape (``kvpool.demo.shapes``) instead of the
     small default model (``layers``, ``hidden``, head size 64, float32)."""
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)

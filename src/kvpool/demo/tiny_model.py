@@ -4,7 +4,7 @@
                      head_dim=None)
     build_shaped_llama(folder, shape, hidden, max_positions)  the same, with the
                      layers, KV heads (as many query heads) and head size of a
-                     ``kvpool.bench.shapes.ModelShape``
+                     ``kvpool.demo.shapes.ModelShape``
     build_tiny_gemma3(folder, layers=4, window=64, seed=0)  a random Gemma-3
                      text model: sliding-window layers with a full-attention
                      layer every ``full_every`` (a hybrid model for vLLM's
@@ -12,7 +12,7 @@
 
 vLLM's CPU attention needs head size >= 32 (``head_dim``, by default hidden /
 heads); an explicit ``head_dim`` gives a real model's KV shape with a tiny
-hidden size (``kvpool.bench.shapes``). Weights are random
+hidden size (``kvpool.demo.shapes``). Weights are random
 (seeded), so outputs are meaningless but deterministic: good for comparing a
 run with the pool against one without. Needs ``transformers`` and
 ``tokenizers`` (both come with vLLM).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpool.bench.shapes import ModelShape
+    from kvpool.demo.shapes import ModelShape
 
 __all__ = ["build_shaped_llama", "build_tiny_gemma3", "build_tiny_llama"]
 

@@ -5,9 +5,6 @@
     server.start()             bind the endpoint (IPC: take its lock, clear a stale
                                socket file) and start the serving thread; raises
                                ``LookupEndpointInUse`` or ``ConfigError``
-    server.suppress(keys, ttl) answer the chunks holding ``keys`` as missing for
-                               ``ttl`` seconds (keys whose load failed, so a
-                               failed load never loops); any thread may call it
     server.close(timeout_s)    stop the thread, close the socket, unlink the IPC
                                socket file and drop its lock; idempotent
     server.stats               counters (``ServerStats``)
@@ -16,33 +13,33 @@
 Answers, one per request frame, always (a ``wire.ErrorReply`` for anything it
 cannot serve; the thread survives malformed, multipart, empty and huge frames):
 
-* ``LookupRequest`` -> ``LookupReply(hit_tokens)``: the chunks that may count are
-  the first ``min(len(chunk_hashes), (num_tokens - 1) // chunk_size)``, so only
-  whole chunks count and a full-prompt hit leaves the last token to compute.
-  A chunk counts only if every key the ranks would read for it is present
-  (``plan.probe_keys``: every distinct content of every group) and it holds
-  no suppressed key; a sliding-window group (``GroupSpec.window``) needs only
-  the chunks of its window before the hit, a Mamba group only the hit's last
-  chunk (its state; ``GroupSpec.needed_chunks``), so the hit is the longest
-  one whose every group has what it needs. Mamba states exist only at the
-  chunks where an engine step ended, so one probe asks for the state of every
-  chunk the full-attention search found and the hit ends at the last present. A chunk's
-  KV heads are written together (by one rank, or by each rank for its own),
-  so outside ``exact`` mode the search asks for one head of each slice class
-  (group, token class, stage) per chunk, rotating the head with the chunk
-  index; a head missing between probes is found by the load, as a chunk
-  missing between probed chunks is (see ``lookup.search``). The
-  boundary is searched in a few ``store.batch_exists`` rounds
-  (``lookup.search.find_prefix``: one round over every chunk for a short
-  prompt, two or three of a few dozen chunks for a long one; none when no
-  chunk may count), windows in a few more. ``hit_tokens`` is the counted
-  chunks times ``chunk_size``. If the prefix ends at a chunk the store could
-  not answer for (no key MISSING, some key UNAVAILABLE), the reply is
-  ``ErrorReply(store_unavailable)``.
+* ``LookupRequest`` -> ``LookupReply(hit_tokens)``: the chunks that may count
+  are the first ``min(len(chunk_hashes), (num_tokens - 1) // chunk_size)``, so
+  only whole chunks count and a full-prompt hit leaves the last token to
+  compute. A chunk counts only if every key the ranks would read for it is
+  present (``plan.probe_keys``: every distinct content of every group; chunks
+  whose load failed are kept out by the scheduler, ``vllm.scheduler``); a
+  sliding-window group (``GroupSpec.window``) needs only the chunks of its
+  window before the hit, a Mamba group only the hit's last chunk (its state;
+  ``GroupSpec.needed_chunks``), so the hit is the longest one whose every group
+  has what it needs. Mamba states exist only at the chunks where an engine step
+  ended, so one probe asks for the state of every chunk the full-attention
+  search found and the hit ends at the last present. A chunk's KV heads are
+  written together (by one rank, or by each rank for its own), so outside
+  ``exact`` mode the search asks for one head of each slice class (group, token
+  class, stage) per chunk, rotating the head with the chunk index; a head
+  missing between probes is found by the load, as a chunk missing between probed
+  chunks is (see ``lookup.search``). The boundary is searched in a few
+  ``store.batch_exists`` rounds (``lookup.search.find_prefix``: one round over
+  every chunk for a short prompt, two or three of a few dozen chunks for a long
+  one; none when no chunk may count), windows in a few more. ``hit_tokens`` is
+  the counted chunks times ``chunk_size``. If the prefix ends at a chunk the
+  store could not answer for (no key MISSING, some key UNAVAILABLE), the reply
+  is ``ErrorReply(store_unavailable)``.
 * ``ResetRequest`` -> ``ResetReply``: removes every object under
   ``KeySpace.prefix`` through the store's ``remove_prefix`` and reports what it
-  did; ``ErrorReply(unsupported)`` for a store without that ability. It runs
-  on the serving thread: lookups wait behind it.
+  did; ``ErrorReply(unsupported)`` for a store without that ability. It runs on
+  the serving thread: lookups wait behind it.
 
 Threading: ``start`` and ``close`` come from the owner's thread; the serving
 thread alone uses the ZMQ socket. The store must accept calls from that thread
@@ -54,9 +51,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -116,7 +112,6 @@ class LookupServer:
         chunk_size: int,
         *,
         max_frame_bytes: int = wire.MAX_FRAME_BYTES,
-        clock: Callable[[], float] = time.monotonic,
         exact: bool = False,
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -129,7 +124,6 @@ class LookupServer:
         self.max_frame_bytes = max_frame_bytes
         self.exact = exact  # probe every chunk (a failed load would fail the request)
         self.stats = ServerStats()
-        self._clock = clock
         self._templates = _key_templates(layout, space)
         # Full-attention groups need every chunk of a hit; sliding-window groups
         # (``GroupSpec.window``) only the chunks of their window before it, Mamba
@@ -148,8 +142,6 @@ class LookupServer:
             if layout.groups[c.group].every_chunk:
                 classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.band), []).append(t)
         self._classes = tuple(tuple(ts) for ts in classes.values())
-        self._suppressed: dict[bytes, float] = {}  # chunk hash -> clock time it ends
-        self._suppress_lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._wake: zmq.Socket[bytes] | None = None  # owner's end of the stop signal
         self._thread: threading.Thread | None = None
@@ -229,39 +221,6 @@ class LookupServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- suppression ----------------------------------------------------------------
-
-    def suppress(self, keys: Iterable[str], ttl_s: float) -> None:
-        """Answer ``keys`` as missing for ``ttl_s`` seconds (a longer earlier TTL
-        stays): a lookup stops before the first chunk holding one. Keys outside
-        this server's key space are ignored."""
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
-        until = self._clock() + ttl_s
-        hashes = [h for h in map(self._chunk_hash, keys) if h is not None]
-        with self._suppress_lock:
-            for h in hashes:
-                if self._suppressed.get(h, 0.0) < until:
-                    self._suppressed[h] = until
-
-    def _chunk_hash(self, key: str) -> bytes | None:
-        """The chunk hash a key of this space names (keys end in its hex)."""
-        for template in self._templates:
-            if key.startswith(template):
-                try:
-                    return bytes.fromhex(key[len(template) :])
-                except ValueError:
-                    return None
-        return None
-
-    def _live_suppressed(self) -> set[bytes]:
-        with self._suppress_lock:
-            if not self._suppressed:
-                return set()
-            now = self._clock()
-            self._suppressed = {h: t for h, t in self._suppressed.items() if t > now}
-            return set(self._suppressed)
-
     # -- answering ----------------------------------------------------------------
 
     def answer(self, frame: bytes | memoryview) -> wire.Reply:
@@ -301,9 +260,6 @@ class LookupServer:
         else:  # proto 1: a list of hashes, maybe of mixed lengths
             count, hash_of = len(req.chunk_hashes), req.chunk_hashes.__getitem__
         usable = min(count, max(req.num_tokens - 1, 0) // chunk)
-        suppressed = self._live_suppressed()
-        if suppressed:  # the chunk holding a suppressed key, and all after, never count
-            usable = min(usable, _first_of(req, suppressed))
         per_chunk = len(self._full) if self.exact else len(self._classes)
         probed = 0
         bound: Status | None = None  # why the last absent probe was absent
@@ -464,26 +420,6 @@ class LookupServer:
             sock.send_multipart([peer, wire.encode_reply(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading: drop the reply
             logger.debug("kvpool: lookup reply dropped: %s", exc)
-
-
-def _first_of(req: wire.PackedLookup | wire.LookupRequest, wanted: set[bytes]) -> int:
-    """The index of the first chunk of ``req`` whose hash is in ``wanted`` (the
-    chunk count if none); packed hashes are searched as bytes, not chunk by chunk."""
-    if isinstance(req, wire.LookupRequest):
-        return next(
-            (i for i, h in enumerate(req.chunk_hashes) if h in wanted), len(req.chunk_hashes)
-        )
-    blob, width = req.chunk_hashes, req.hash_bytes
-    first = req.count
-    for h in wanted:
-        if len(h) != width:
-            continue
-        at = blob.find(h)
-        while at >= 0 and at % width:  # a match across two hashes: look further
-            at = blob.find(h, at + 1)
-        if at >= 0:
-            first = min(first, at // width)
-    return first
 
 
 def _why_absent(answers: Sequence[Status]) -> Status:

@@ -5,6 +5,8 @@
                               or the hash chain goes into the fingerprint)
     KeySpace.key(c, h)        the key of shard ``c`` (a layout.ContentId) for
                               chunk hash ``h``
+    KeySpace.template(c)      that key without the hash: ``key(c, h)`` is
+                              ``template(c) + h.hex()``
     parse_key(s)              the inverse of ``key``; ``format(parse_key(s)) == s``
     KeySpace.prefix           the prefix every key of this space starts with
     dp_index_of(cfg)          an engine's DP identity from vLLM's parallel config
@@ -91,6 +93,10 @@ def _hash_hex(chunk_hash: bytes | str) -> str:
     return h
 
 
+def _content_part(c: ContentId) -> str:
+    return f"g{c.group}.h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.b{c.band}"
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedKey:
     """The parts of one key. ``str(k)`` formats it back exactly."""
@@ -102,10 +108,9 @@ class ParsedKey:
     schema: int = SCHEMA_VERSION
 
     def __str__(self) -> str:
-        c = self.content
         return (
             f"{_ROOT}/{self.schema}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
-            f"g{c.group}.h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.b{c.band}/{self.chunk_hash}"
+            f"{_content_part(self.content)}/{self.chunk_hash}"
         )
 
 
@@ -204,7 +209,13 @@ class KeySpace:
 
     def key(self, content: ContentId, chunk_hash: bytes | str) -> str:
         """The key of ``content``'s object for the chunk whose hash is ``chunk_hash``."""
-        return str(ParsedKey(self.model, self.fingerprint, content, _hash_hex(chunk_hash)))
+        return self.template(content) + _hash_hex(chunk_hash)
+
+    def template(self, content: ContentId) -> str:
+        """``content``'s keys without the chunk hash: ``key(content, h)`` is this
+        followed by ``h``'s lowercase hex (what a lookup of thousands of keys
+        appends, instead of formatting each key whole)."""
+        return f"{self.prefix}{_content_part(content)}/"
 
 
 class _ParallelConfig(Protocol):

@@ -22,6 +22,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpool.chunks import ChunkObjects
 from kvpool.keys import KeySpace
 from kvpool.layout import ContentId, GroupKind, Layout, RankCoords
 
@@ -104,9 +105,10 @@ def probe_keys(
     layout: Layout, space: KeySpace, hashes: Sequence[bytes | str]
 ) -> list[tuple[str, ...]]:
     """For each chunk hash, the keys a lookup must find: one per distinct content
-    of every group. These are exactly the keys the ranks read (``Layout.holdings``)."""
-    contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
-    return [tuple(space.key(c, h) for c in contents) for h in hashes]
+    of every group (``chunks.ChunkObjects``). These are exactly the keys the ranks
+    read (``Layout.holdings``)."""
+    objects = ChunkObjects.of(layout, space)
+    return [tuple(space.key(c, h) for c in objects.contents) for h in hashes]
 
 
 def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:

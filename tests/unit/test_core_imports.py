@@ -8,8 +8,8 @@ import sys
 
 def test_core_modules_import_no_heavy_packages() -> None:
     code = (
-        "import sys, kvpool, kvpool.layout, kvpool.keys, kvpool.plan, kvpool.config, "
-        "kvpool.errors, kvpool.lookup.search\n"
+        "import sys, kvpool, kvpool.layout, kvpool.keys, kvpool.plan, kvpool.chunks, "
+        "kvpool.config, kvpool.errors, kvpool.lookup.search\n"
         "heavy = {'torch', 'zmq', 'mooncake', 'vllm', 'click', 'rich'} & set(sys.modules)\n"
         "print(sorted(heavy))"
     )

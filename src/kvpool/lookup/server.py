@@ -17,7 +17,7 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
   are the first ``min(len(chunk_hashes), (num_tokens - 1) // chunk_size)``, so
   only whole chunks count and a full-prompt hit leaves the last token to
   compute. A chunk counts only if every key the ranks would read for it is
-  present (``plan.probe_keys``: every distinct content of every group; chunks
+  present (``chunks.ChunkObjects``: every distinct content of every group; chunks
   whose load failed are kept out by the scheduler, ``vllm.scheduler``); a
   sliding-window group (``GroupSpec.window``) needs only the chunks of its
   window before the hit, a Mamba group only the hit's last chunk (its state;
@@ -58,14 +58,13 @@ from typing import Protocol, runtime_checkable
 
 import zmq
 
+from kvpool.chunks import ChunkObjects, countable_chunks
 from kvpool.errors import ConfigError, StoreError
-from kvpool.groups import GroupKind
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.lookup import wire
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, PathLock
 from kvpool.lookup.search import find_prefix
-from kvpool.plan import probe_keys
 from kvpool.store.base import KVStore, Status
 
 __all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix"]
@@ -74,7 +73,6 @@ WINDOW_ROUNDS = 4  # hits tried against sliding windows before answering 0
 
 logger = logging.getLogger(__name__)
 
-_PROBE_HASH = bytes(range(1, 17))  # any hash: used to read the key templates
 _BURST = 64  # requests answered per wake-up before polling the stop signal again
 
 
@@ -124,24 +122,16 @@ class LookupServer:
         self.max_frame_bytes = max_frame_bytes
         self.exact = exact  # probe every chunk (a failed load would fail the request)
         self.stats = ServerStats()
-        self._templates = _key_templates(layout, space)
         # Full-attention groups need every chunk of a hit; sliding-window groups
         # (``GroupSpec.window``) only the chunks of their window before it, Mamba
-        # groups the last chunk's state (``GroupSpec.needed_chunks``).
-        specs = [layout.groups[c.group] for g in range(len(layout.groups))
-                 for c in layout.contents(g)]  # fmt: skip
-        pairs = list(zip(self._templates, specs, strict=True))
-        self._full = tuple(t for t, spec in pairs if spec.every_chunk)
-        self._windowed = tuple((t, spec) for t, spec in pairs if spec.window)
-        self._states = tuple(t for t, spec in pairs if spec.kind is GroupKind.MAMBA)
-        # The full-attention templates by slice class, heads in order: exact mode
-        # probes every head of a chunk, the search one per class (rotating).
-        classes: dict[tuple[int, int, int, int], list[str]] = {}
-        contents = [c for g in range(len(layout.groups)) for c in layout.contents(g)]
-        for t, c in zip(self._templates, contents, strict=True):
-            if layout.groups[c.group].every_chunk:
-                classes.setdefault((c.group, c.dcp_rank, c.pcp_rank, c.band), []).append(t)
-        self._classes = tuple(tuple(ts) for ts in classes.values())
+        # groups the last chunk's state (``GroupSpec.needed_chunks``). Exact mode
+        # probes every head of a chunk, the search one per slice class (rotating).
+        objects = ChunkObjects.of(layout, space)
+        self._templates = objects.templates
+        self._full = objects.full
+        self._windowed = objects.windowed
+        self._states = objects.states
+        self._classes = objects.classes
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._wake: zmq.Socket[bytes] | None = None  # owner's end of the stop signal
         self._thread: threading.Thread | None = None
@@ -259,7 +249,7 @@ class LookupServer:
             count, hash_of = req.count, req.hash
         else:  # proto 1: a list of hashes, maybe of mixed lengths
             count, hash_of = len(req.chunk_hashes), req.chunk_hashes.__getitem__
-        usable = min(count, max(req.num_tokens - 1, 0) // chunk)
+        usable = countable_chunks(req.num_tokens, chunk, count)
         per_chunk = len(self._full) if self.exact else len(self._classes)
         probed = 0
         bound: Status | None = None  # why the last absent probe was absent
@@ -356,7 +346,7 @@ class LookupServer:
 
     def _keys(self, hashes: Sequence[bytes], templates: Sequence[str] | None = None) -> list[str]:
         """Chunk-major keys of ``hashes`` under ``templates`` (default: all, what
-        ``plan.probe_keys`` gives, flattened)."""
+        ``chunks.ChunkObjects.keys`` gives, flattened)."""
         templates = self._templates if templates is None else templates
         return [t + h.hex() for h in hashes for t in templates]
 
@@ -427,19 +417,3 @@ def _why_absent(answers: Sequence[Status]) -> Status:
     if Status.MISSING in answers:
         return Status.MISSING
     return next(s for s in answers if s is not Status.OK)
-
-
-def _key_templates(layout: Layout, space: KeySpace) -> tuple[str, ...]:
-    """Per distinct content (``probe_keys`` order), its key without the hash hex.
-
-    ``probe_keys`` formats every key from scratch (microseconds each); a lookup
-    of a long prompt on a wide layout probes thousands, so the server reads the
-    templates once and appends each hash's hex. Checked against ``probe_keys``.
-    """
-    (sample,) = probe_keys(layout, space, [_PROBE_HASH])
-    suffix = _PROBE_HASH.hex()
-    templates = tuple(k.removesuffix(suffix) for k in sample)
-    other = bytes(reversed(_PROBE_HASH))
-    if tuple(t + other.hex() for t in templates) != probe_keys(layout, space, [other])[0]:
-        raise RuntimeError("kvpool keys no longer end in the chunk hash; update _key_templates")
-    return templates

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from kvpool.chunkhash import ChunkChain
+from kvpool.chunks import countable_chunks
 from kvpool.errors import ConfigError
 from kvpool.groups import GroupKind
 from kvpool.settings import ConnectorSettings
@@ -239,9 +240,7 @@ class SchedulerSide:
         self.lookups += 1
         # Whole chunks only, and never the last prompt token (vLLM must compute it).
         self._pool_end[req_id] = min(hit // chunk, len(hashes))
-        hit = min(
-            hit // chunk * chunk, len(hashes) * chunk, (request.num_tokens - 1) // chunk * chunk
-        )
+        hit = min(hit // chunk, countable_chunks(request.num_tokens, chunk, len(hashes))) * chunk
         if most is not None:  # at most this many tokens loaded, whole chunks
             hit = min(hit, (num_computed_tokens + most) // chunk * chunk)
         need = hit - num_computed_tokens

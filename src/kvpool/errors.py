@@ -8,6 +8,8 @@
     │   └── PoolNotFound        no pool configured, or its pool file is missing or
     │                           unreadable: the pool is absent, not misconfigured
     ├── HeaderError             an object header that does not describe this object
+    ├── UnsupportedEngine       the engine uses something kvpool cannot pool yet;
+    │                           the connector stays idle
     └── StoreError              the pool cannot be used right now; callers above
         │                       the store treat it as a cache miss, never a crash
         ├── StoreUnavailable    no master / setup failed / store closed
@@ -57,3 +59,7 @@ class StoreUnavailable(StoreError):
 
 class StoreMissingDependency(StoreError):
     """A package or system library that the store adapter needs is missing."""
+
+
+class UnsupportedEngine(KVPoolError):
+    """The engine uses something kvpool cannot pool yet; the connector stays idle."""

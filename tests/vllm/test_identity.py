@@ -107,8 +107,9 @@ def test_group_kinds_from_vllms_real_spec_classes() -> None:
         SlidingWindowSpec,
     )
 
+    from kvpool.errors import UnsupportedEngine
     from kvpool.layout import GroupKind, GroupSpec
-    from kvpool.vllm.identity import UnsupportedEngine, _group_spec
+    from kvpool.vllm.identity import _group_spec
 
     swa = SlidingWindowSpec(
         block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=4096

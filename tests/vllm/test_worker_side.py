@@ -324,7 +324,7 @@ def test_a_finished_request_is_released_once_its_refused_saves_are_stored() -> N
 def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import kvpool.vllm.drain as drain_module
+    import kvpool.connector.drain as drain_module
 
     release = threading.Event()
     worker, _, _ = slow_worker(release)
@@ -346,7 +346,7 @@ def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
     )
     assert worker.engine is not None and worker.engine.saves_blocked
     assert worker._book.retrying == {"a"}
-    with caplog.at_level(logging.WARNING, logger="kvpool.vllm.drain"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.connector.drain"):
         got: set[str] = set()
         while not got and time.monotonic() < deadline:
             worker.finished()

@@ -62,7 +62,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
-from kvpool.errors import ConfigError, KVPoolError, PoolNotFound
+from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
 from kvpool.keys import lookup_endpoint
 from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store import open_store
@@ -70,7 +70,6 @@ from kvpool.store.base import KVStore
 from kvpool.store.framed import FramedStore
 from kvpool.vllm.identity import (
     EngineIdentity,
-    UnsupportedEngine,
     attention_isas,
     engine_identity,
     worker_rank,

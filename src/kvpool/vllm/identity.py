@@ -23,13 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import ConfigError, KVPoolError, LayoutError
+from kvpool.errors import ConfigError, LayoutError, UnsupportedEngine
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
 __all__ = [
     "EngineIdentity",
-    "UnsupportedEngine",
     "attention_isas",
     "byte_fields",
     "engine_identity",
@@ -37,10 +36,6 @@ __all__ = [
     "pp_stages",
     "worker_rank",
 ]
-
-
-class UnsupportedEngine(KVPoolError):
-    """The engine uses something kvpool cannot pool yet; the connector stays idle."""
 
 
 @dataclass(frozen=True, slots=True)

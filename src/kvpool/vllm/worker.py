@@ -51,14 +51,15 @@ from typing import Any
 import torch
 
 from kvpool.config import PoolConfig
+from kvpool.connector.drain import SaveBook
+from kvpool.connector.shards import shard_views
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.layout import ContentId
 from kvpool.placement import place_kv
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
 from kvpool.transfer import ChunkRef, JobResult, TransferEngine, TransferStats
-from kvpool.vllm.drain import SaveBook
-from kvpool.vllm.identity import EngineIdentity, UnsupportedEngine, layer_index
+from kvpool.vllm.identity import EngineIdentity, layer_index
 from kvpool.vllm.metadata import NULL_BLOCK, KVPoolMetadata, KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.stats import KVPoolStats, stats_delta
 
@@ -71,24 +72,6 @@ IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to
 # vLLM KV group kinds whose blocks stay with a request until it finishes or is
 # preempted (zero copy relies on it; sliding windows free blocks earlier).
 _KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
-
-
-def _token_class(name: str, t: torch.Tensor, n: int, k: int, step: int) -> torch.Tensor:
-    """The rows of every block of ``t`` in token class ``k`` of ``n`` (runs of
-    ``step`` tokens, ``Layout.local_tokens``): the third axis of vLLM's
-    ``[blocks, heads, block_size, 2 * head_size]`` (MLA: ``[blocks, tokens, latent]``) viewed
-    as ``[-1, n, step]``, index ``k`` of the middle axis; a view, no copy. On a
-    token-major layout (DCP's GPU kernels) these rows are tokens; vLLM's CPU kernel
-    stores a block's K head_size-major, so there a class is a fixed set of its rows
-    (it round-trips; the CPU build runs no DCP)."""
-    dim = 2 if t.dim() == 4 else 1
-    if t.dim() not in (3, 4) or t.shape[dim] % (n * step):
-        raise UnsupportedEngine(
-            f"KV tensor {name} has shape {tuple(t.shape)}: kvpool cannot cut its blocks' "
-            f"tokens into {n} classes of runs of {step}; lower token_classes"
-        )
-    shape = [*t.shape[:dim], t.shape[dim] // (n * step), n, step, *t.shape[dim + 1 :]]
-    return t.view(shape).select(dim + 1, k)
 
 
 class WorkerSide:
@@ -198,57 +181,9 @@ class WorkerSide:
         return store, engine
 
     def _shard_views(self) -> list[list[tuple[str, torch.Tensor]]]:
-        """The tensors of each shard this rank holds: its KV head's slice (vLLM's
-        per-layer views are ``[blocks, heads, block_size, 2 * head_size]``; the whole
-        tensors when the rank holds one head of a group) of the layers of its layer
-        band (all local layers when the rank holds one band), cut into its token
-        class. Fills ``_shards`` with the engine group index of each."""
-        layout = self.identity.layout
-        views: list[list[tuple[str, torch.Tensor]]] = []
-        self._shards = {}
-        for g, local in self._local.items():
-            held = layout.holdings(self.rank, g)
-            layers = self._groups[local]
-            # Each shard's run of the rank's local KV heads (heads_per_object of them).
-            spans = {c.head: layout.local_heads(self.rank, c) for c in held}
-            heads = max(r.stop for r in spans.values())
-            if len(spans) > 1:
-                for name, t in layers:
-                    if t.dim() != 4 or t.shape[1] != heads:
-                        raise UnsupportedEngine(
-                            f"KV tensor {name} has shape {tuple(t.shape)}, not vLLM's "
-                            f"[blocks, heads, block_size, 2 * head_size] with this rank's {heads} "
-                            "KV heads; kvpool cannot name its heads"
-                        )
-            banded = len({c.band for c in held}) > 1
-            index = {name: layer_index(name) for name, _ in layers} if banded else {}
-            self._shards[g] = []
-            for c in held:
-                mine = layers
-                if banded:
-                    band = layout.band_layers(c.band)
-                    mine = [(name, t) for name, t in layers if index[name] in band]
-                    if not mine:
-                        raise UnsupportedEngine(
-                            f"layer band {band.start}-{band.stop - 1} holds no layer of KV "
-                            f"group {g}; choose layer_bands so that every band holds layers "
-                            "of every group"
-                        )
-                if len(spans) > 1:
-                    r = spans[c.head]
-                    mine = [(name, t.narrow(1, r.start, len(r))) for name, t in mine]
-                n, k, step = layout.local_tokens(self.rank, c)
-                if n > 1:
-                    mine = [(name, _token_class(name, t, n, k, step)) for name, t in mine]
-                self._shards[g].append((c, len(views)))
-                views.append(mine)
-            if banded and not set(index.values()) <= {
-                layer for c in held for layer in layout.band_layers(c.band)
-            }:
-                raise UnsupportedEngine(
-                    f"KV group {g}'s layers {sorted(index.values())} on this rank are not "
-                    f"all inside its PP stage's layer bands; kvpool cannot name them"
-                )
+        """This rank's shards' views (``connector.shards``); fills ``_shards``."""
+        local = {g: self._groups[i] for g, i in self._local.items()}
+        views, self._shards = shard_views(self.identity.layout, self.rank, local, layer_index)
         return views
 
     def _zero_copy(self, store: KVStore) -> bool:

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
+from kvpool.connector.drain import DRAIN_LIMIT_S, SaveBook
 from kvpool.store.base import Status
 from kvpool.transfer.records import ChunkRef, JobResult
-from kvpool.vllm.drain import DRAIN_LIMIT_S, SaveBook
 
 
 def refs(*keys: str) -> list[ChunkRef]:
@@ -69,7 +69,7 @@ def test_a_finishing_request_is_released_once_nothing_of_it_is_left(
     book.ended("j4", result("j4", {}, refused="staging_busy"))
     book.finishing(["t"], now=10.0)
     assert book.release(now=10.0 + DRAIN_LIMIT_S / 2) == set()
-    with caplog.at_level(logging.WARNING, logger="kvpool.vllm.drain"):
+    with caplog.at_level(logging.WARNING, logger="kvpool.connector.drain"):
         assert book.release(now=10.0 + DRAIN_LIMIT_S) == {"t"}
     assert "gave up saving 1 object(s) of t" in caplog.text
     book.submitted("j5", "u", refs("y"))

@@ -1,5 +1,5 @@
 """Token classes under DCP: the worker's views of a block's token rows
-(``Layout.local_tokens`` and the worker's ``_token_class``) against vLLM's
+(``Layout.local_tokens`` and the ``connector.shards.token_class``) against vLLM's
 placement of a block-table entry's tokens on DCP ranks. vLLM's CPU build runs
 no DCP, so DCP ranks' tensors are built here by that placement rule."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvpool.connector.shards import token_class
 from kvpool.layout import Layout
-from kvpool.vllm.worker import _token_class
 
 
 def _rank_blocks(virtual: torch.Tensor, dcp: int, rank: int, step: int) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_each_token_class_holds_the_same_tokens_at_every_dcp_size(classes: int, 
             block = _rank_blocks(virtual, dcp, layout.coord(rank).dcp_rank, step)
             for content in layout.holdings(rank, 0):
                 n, k, run = layout.local_tokens(rank, content)
-                view = _token_class("t", block, n, k, run) if n > 1 else block
+                view = token_class("t", block, n, k, run) if n > 1 else block
                 got = view[1, 0].reshape(-1, 4)[:, 0].tolist()
                 assert got == want[content.dcp_rank], (dcp, rank, content)
                 seen.add(content.dcp_rank)

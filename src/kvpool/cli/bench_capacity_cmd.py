@@ -18,7 +18,7 @@ from rich.table import Table
 from kvpool.bench.capacity import CapacityBench, CapacityWorkload
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import shape_or_fail
-from kvpool.cli.console import PhaseBars, bench_table, console
+from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
 from kvpool.demo.shapes import SHAPES
 from kvpool.pool.local import LEASE_TTL_MS
 
@@ -84,6 +84,7 @@ def capacity_table(result: CapacityBench) -> Table:
 )
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 def bench_capacity(
     shape: str,
     pool_mib: int,
@@ -96,6 +97,7 @@ def bench_capacity(
     local_cache: bool,
     workdir: Path | None,
     as_json: bool,
+    table_only: bool,
 ) -> None:
     """Pool hit rate against an LRU cache when the working set is N times the pool."""
     from kvpool.bench.capacity import run_capacity_bench
@@ -123,11 +125,16 @@ def bench_capacity(
         lease_ttl_ms=lease_ttl_ms,
         local_cache=local_cache,
     )
-    with tempfile.TemporaryDirectory(prefix="kvpool-capacity-") as tmp, PhaseBars() as bars:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvpool-capacity-") as tmp,
+        PhaseBars(disable=table_only) as bars,
+    ):
         result = run_capacity_bench(
             workdir or Path(tmp), shape=model_shape, workload=workload, on_progress=bars
         )
-    if as_json:
+    if table_only:
+        click.echo(table_rows(capacity_table(result)))
+    elif as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
         console.print(capacity_table(result))

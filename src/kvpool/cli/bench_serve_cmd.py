@@ -18,7 +18,7 @@ from rich.table import Table
 from kvpool.bench.serve import CONNECTORS, ServeBench, Workload
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
-from kvpool.cli.console import PhaseBars, bench_table, console
+from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
 from kvpool.demo.shapes import SHAPES
 
 __all__ = ["serve_bench_table"]
@@ -73,6 +73,7 @@ def serve_bench_table(result: ServeBench) -> Table:
 @click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 def bench_serve(
     shape: str,
     connectors: str,
@@ -84,6 +85,7 @@ def bench_serve(
     concurrency: int,
     workdir: Path | None,
     as_json: bool,
+    table_only: bool,
 ) -> None:
     """TTFT and hit rates under vLLM's benchmark client, cold and after a restart."""
     from kvpool.bench.serve import run_serve_bench
@@ -91,7 +93,10 @@ def bench_serve(
     model_shape = shape_or_fail(shape)
     names = connectors_or_fail(connectors, CONNECTORS)
     workload = Workload(prompts, prefixes, prefix_len, suffix_len, output_len, concurrency)
-    with tempfile.TemporaryDirectory(prefix="kvpool-serve-") as tmp, PhaseBars() as bars:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvpool-serve-") as tmp,
+        PhaseBars(disable=table_only) as bars,
+    ):
         result = run_serve_bench(
             workdir or Path(tmp),
             shape=model_shape,
@@ -99,7 +104,9 @@ def bench_serve(
             connectors=names,
             on_progress=bars,
         )
-    if as_json:
+    if table_only:
+        click.echo(table_rows(serve_bench_table(result)))
+    elif as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
         console.print(serve_bench_table(result))

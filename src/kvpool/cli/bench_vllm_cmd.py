@@ -19,7 +19,7 @@ from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
 from kvpool.cli.bench_cmd import bench
-from kvpool.cli.console import PhaseBars, console
+from kvpool.cli.console import TABLE_HELP, PhaseBars, console, table_rows
 from kvpool.demo.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.errors import ConfigError
 from kvpool.settings import parse_extra
@@ -154,6 +154,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 )
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 def bench_vllm(
     shape: str,
     lengths: str,
@@ -161,6 +162,7 @@ def bench_vllm(
     extra: str,
     workdir: Path | None,
     as_json: bool,
+    table_only: bool,
 ) -> None:
     """TTFT at a real model's KV size: kvpool, vLLM's in-tree connector, no connector."""
     from kvpool.bench.engines import run_engine_bench
@@ -184,7 +186,10 @@ def bench_vllm(
         parse_extra(settings)
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--extra") from None
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp, PhaseBars() as bars:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp,
+        PhaseBars(disable=table_only) as bars,
+    ):
         result = run_engine_bench(
             workdir or Path(tmp),
             shape=model_shape,
@@ -193,7 +198,9 @@ def bench_vllm(
             extra=settings,
             on_progress=bars,
         )
-    if as_json:
+    if table_only:
+        click.echo(table_rows(engine_bench_table(result)))
+    elif as_json:
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
         console.print(engine_bench_table(result))

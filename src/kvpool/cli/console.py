@@ -4,6 +4,7 @@ frame, so a row fits 80 columns)."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 
 from rich import box
@@ -19,6 +20,18 @@ from rich.progress import (
 from rich.table import Table
 
 console = Console()
+
+TABLE_HELP = "Only the table's header and rows, 80 columns (for kvpool bench report)."
+REPORT_WIDTH = 80  # README tables: what an 80-column terminal shows
+
+
+def table_rows(table: Table) -> str:
+    """``table``'s header and rows as plain text, ``REPORT_WIDTH`` wide, without its
+    title and caption: what ``kvpool bench report`` puts in the README."""
+    table.title = table.caption = None
+    out = Console(file=io.StringIO(), width=REPORT_WIDTH, record=True, color_system=None)
+    out.print(table)
+    return "\n".join(line.rstrip() for line in out.export_text().splitlines() if line.strip())
 
 
 def bench_table(title: str, columns: Sequence[str], left: int = 1) -> Table:

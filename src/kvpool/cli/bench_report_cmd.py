@@ -1,0 +1,186 @@
+"""``kvpool bench report``: the README's bench tables, made again by their commands.
+
+    REPORTS[name]            a README table: the ``kvpool bench`` command line that
+                             makes it, and the table function whose columns it has
+    readme_blocks(text)      the report blocks of a README: (name, command, date,
+                             table lines) each
+    put_block(text, name, command, table, date)
+                             the README with that block's content replaced
+    kvpool bench report [--readme FILE] [--only NAMES]
+                             run each table's command (``--table``: header and
+                             rows, 80 columns) and write it into its block
+
+A block in the README reads::
+
+    <!-- report vllm -->
+        $ kvpool bench vllm --shape llama3-8b --lengths 1000,4000   # 6 December 2026
+        connector  len prefill ...
+        ...
+    <!-- /report -->
+
+The command line is the one run, the date the day it ran; nothing else writes
+inside a block. A unit test checks every block against ``REPORTS`` (its command
+and its column names), so a table cannot drift from what its command prints.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvpool.cli.bench_cmd import bench
+from kvpool.cli.console import console
+
+__all__ = ["REPORTS", "Report", "put_block", "readme_blocks"]
+
+_OPEN = re.compile(r"^<!-- report ([a-z0-9-]+) -->$", re.M)
+_CLOSE = "<!-- /report -->"
+_COMMAND = re.compile(r"^    \$ (kvpool bench .+?)\s+# (\d{1,2} [A-Z][a-z]+ \d{4})$")
+
+
+@dataclass(frozen=True)
+class Report:
+    args: tuple[str, ...]  # after ``kvpool bench``
+    empty_table: Callable[[], Any]  # the command's table with no rows: its columns
+
+    @property
+    def command(self) -> str:
+        return shlex.join(["kvpool", "bench", *self.args])
+
+
+def _vllm_table() -> Any:
+    from kvpool.bench.engines import EngineBench
+    from kvpool.cli.bench_vllm_cmd import engine_bench_table
+    from kvpool.demo.shapes import SHAPES
+
+    return engine_bench_table(EngineBench(SHAPES["small"], (), (), (), ()))
+
+
+def _serve_table() -> Any:
+    from kvpool.bench.serve import ServeBench, Workload
+    from kvpool.cli.bench_serve_cmd import serve_bench_table
+    from kvpool.demo.shapes import SHAPES
+
+    return serve_bench_table(ServeBench(SHAPES["small"], Workload(), ()))
+
+
+def _capacity_table() -> Any:
+    from kvpool.bench.capacity import CapacityBench, CapacityWorkload
+    from kvpool.cli.bench_capacity_cmd import capacity_table
+    from kvpool.demo.shapes import SHAPES
+
+    return capacity_table(CapacityBench(SHAPES["small"], CapacityWorkload(), ()))
+
+
+REPORTS: dict[str, Report] = {
+    "vllm": Report(("vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table),
+    "vllm-small": Report(
+        ("vllm", "--shape", "8x8x64:float32", "--lengths", "2000,3000"), _vllm_table
+    ),
+    "serve": Report(("serve", "--shape", "llama3-8b"), _serve_table),
+    "capacity": Report(("capacity",), _capacity_table),
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    command: str
+    date: str
+    table: tuple[str, ...]  # header, rule, rows (indent removed)
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """Every report block of ``text``; ``ValueError`` naming a malformed one."""
+    blocks = []
+    for m in _OPEN.finditer(text):
+        name = m.group(1)
+        end = text.find(_CLOSE, m.end())
+        if end < 0:
+            raise ValueError(f"report block {name!r} has no {_CLOSE} line")
+        lines = text[m.end() : end].strip("\n").split("\n")
+        first = _COMMAND.match(lines[0]) if lines else None
+        if first is None:
+            raise ValueError(
+                f"report block {name!r} must begin with '    $ kvpool bench ...   # D Month YYYY'"
+            )
+        if any(line and not line.startswith("    ") for line in lines[1:]):
+            raise ValueError(f"report block {name!r}: table lines are indented 4 spaces")
+        table = tuple(line[4:] for line in lines[1:])
+        blocks.append(Block(name, first.group(1), first.group(2), table))
+    return blocks
+
+
+def columns(header: str) -> list[str]:
+    """A header row's words (column names may hold a space: compare words)."""
+    return header.split()
+
+
+def put_block(text: str, name: str, command: str, table: str, date: str) -> str:
+    """``text`` with block ``name``'s content replaced; ``ValueError`` if it has none."""
+    m = re.search(rf"^<!-- report {re.escape(name)} -->$", text, re.M)
+    end = text.find(_CLOSE, m.end()) if m else -1
+    if m is None or end < 0:
+        raise ValueError(f"the README has no report block {name!r} to write")
+    body = f"    $ {command}   # {date}\n" + "".join(f"    {line}\n" for line in table.splitlines())
+    return text[: m.end()] + "\n" + body + text[end:]
+
+
+def _today() -> str:
+    d = datetime.date.today()
+    return f"{d.day} {d.strftime('%B')} {d.year}"
+
+
+@bench.command("report")
+@click.option(
+    "--readme",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=Path("README.md"),
+    show_default=True,
+)
+@click.option(
+    "--only",
+    default=",".join(REPORTS),
+    show_default=True,
+    help="Comma-separated tables to make again.",
+)
+def bench_report(readme: Path, only: str) -> None:
+    """Run the commands behind the README's bench tables and write their tables in."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in REPORTS]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(unknown)}: the tables are {', '.join(REPORTS)}", param_hint="--only"
+        )
+    text = readme.read_text()
+    present = {b.name for b in readme_blocks(text)}
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise click.BadParameter(
+            f"{readme} has no report block for {', '.join(missing)}", param_hint="--only"
+        )
+    for name in names:
+        report = REPORTS[name]
+        console.print(f"running {report.command}")
+        table = _run(report.args)
+        text = put_block(readme.read_text(), name, report.command, table, _today())
+        readme.write_text(text)  # after each table: a later failure keeps the earlier
+        console.print(table)
+
+
+def _run(args: Sequence[str]) -> str:
+    cmd = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
+    done = subprocess.run([*cmd, "bench", *args, "--table"], capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise click.ClickException(f"kvpool bench {' '.join(args)} failed: {tail}")
+    return done.stdout.strip("\n")

@@ -864,9 +864,9 @@ def test_a_damaged_object_is_removed_once_leases_end_never_forced(
     (LEASED, retried), and never forces other readers' leases away."""
     from kvpool.pool import wait_until
     from kvpool.store.framed import FramedStore
-    from kvpool.transfer import core
+    from kvpool.transfer import shared
 
-    monkeypatch.setattr(core, "DISCARD_RETRY_S", (0.05, 3.2))
+    monkeypatch.setattr(shared, "DISCARD_RETRY_S", (0.05, 3.2))
     inner = MemoryStore(capacity=1 << 28, lease_s=0.5)
     framed = FramedStore(inner, "00" * 8)
     src = cpu_layers(1)

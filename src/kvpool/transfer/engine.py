@@ -79,10 +79,10 @@ from kvpool.store.base import KVStore, Status
 from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
 from kvpool.transfer.copies import KVCopier
-from kvpool.transfer.core import Core
 from kvpool.transfer.loads import Loads
 from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece, TransferStats
 from kvpool.transfer.saves import Saves
+from kvpool.transfer.shared import Shared
 
 __all__ = ["LOAD_PIECE_BYTES", "PIECE_BYTES", "TransferEngine"]
 
@@ -160,7 +160,7 @@ class TransferEngine:
         if zero_copy:  # no staging: pieces only bound the size of one store call
             save_budget, load_budget = piece_bytes, load_piece_bytes
         self._copier = KVCopier(self.groups, groups, staging)
-        self._core = Core(store, self.groups, self._copier, int(staging.data_ptr()), known_keys)
+        self._core = Shared(store, self.groups, self._copier, int(staging.data_ptr()), known_keys)
         self._save_arena = StagingArena(save_bytes)
         self._load_arena = StagingArena(load_bytes)
         # Unbounded: a staged save's bytes are in staging before it is queued, and

@@ -1,7 +1,10 @@
 """The load path: get a job's chunks, straight into the KV tensors or piece by piece
 through staging, and report which blocks to recompute.
 
-    Loads(core, arena, base, budget, mode, timeout_s)
+    Loads(core, arena, base, budget, mode, timeout_s, enqueue, scatter_q)
+                             ``base``: the arena's offset 0 in staging; ``budget``:
+                             bytes per piece; ``enqueue`` hands a job to the load
+                             thread; ``scatter_q`` feeds the scatter thread
     submit(job_id, chunks)   the caller's thread: the job, for the load thread
     run(job)                 the load thread. Direct: one get into the KV tensors.
                              Staged: per piece, reserve staging (waiting for earlier
@@ -15,7 +18,7 @@ Rules (the contract is ``kvpool.transfer.engine``'s): a result lists the blocks
 of every chunk that failed and of every later chunk; staged bytes reach the KV
 tensors only after their checks passed, only for chunks before the job's first
 failure, and never after the job was reported; a CORRUPT object is removed
-(``Core.discard``: never forced).
+(``Shared.discard``: never forced).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from kvpool.store.base import Status
 from kvpool.store.scatter import take
 from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
-from kvpool.transfer.core import Core, all_ok
 from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece
+from kvpool.transfer.shared import Shared, all_ok
 
 __all__ = ["Loads"]
 
@@ -45,7 +48,7 @@ class Loads:
 
     def __init__(
         self,
-        core: Core,
+        core: Shared,
         arena: StagingArena,
         base: int,
         budget: int,

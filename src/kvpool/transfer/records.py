@@ -1,6 +1,6 @@
 """The records a transfer job is described and answered with.
 
-    ChunkRef       one chunk object of one KV group: its key and the blocks holding it
+    ChunkRef       one chunk object of one shard view: its key and the blocks holding it
     JobResult      a finished save or load: a status per key it handled, the blocks
                    to recompute (loads), and what was refused before the store was asked
     TransferStats  counters since the engine started (``TransferEngine.stats``)
@@ -31,9 +31,12 @@ RETRYABLE_REFUSALS = frozenset({"staging_busy", "queue_full"})
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
-    """One chunk object of one group: its key and the blocks that hold it."""
+    """One chunk object: its key and the blocks that hold it."""
 
     key: str
+    # Which of the engine's groups of tensors (``TransferEngine(groups=...)``) it
+    # moves: in the connector one shard's views (``connector.shards``), not a
+    # vLLM KV cache group.
     group: int
     chunk: int  # absolute chunk index in its request (orders failures)
     block_ids: tuple[int, ...]

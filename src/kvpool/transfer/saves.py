@@ -44,8 +44,8 @@ from kvpool.store.base import Status
 from kvpool.store.scatter import Segments, take
 from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
-from kvpool.transfer.core import Core
 from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece
+from kvpool.transfer.shared import Shared
 
 __all__ = ["NOTE_INTERVAL_S", "Saves"]
 
@@ -74,7 +74,7 @@ class Saves:
 
     def __init__(
         self,
-        core: Core,
+        core: Shared,
         arena: StagingArena,
         budget: int,
         wait_s: float,

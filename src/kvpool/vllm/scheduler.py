@@ -2,7 +2,8 @@
 
     SchedulerSide.matched_tokens(request, computed)  tokens to load beyond
         ``computed`` (whole chunks, never the prompt's last token); None while
-        an async lookup is pending. Side-effect free apart from caching the plan.
+        an async lookup is pending. It caches the plan, and with ``lookup_async``
+        starts a lookup (asked again next step) instead of waiting for one.
     SchedulerSide.after_alloc(request, num_external)  keep the load plan if vLLM
         allocated blocks for it, drop it otherwise
     SchedulerSide.build_meta(scheduler_output)  this step's loads (planned since

@@ -1,6 +1,6 @@
 """What a transfer engine's saves and loads share.
 
-    Core(store, groups, copier, staging_base)
+    Shared(store, groups, copier, staging_base)
     sizes(chunks), staged(offsets, sizes), kv_segments(chunks)
                         object sizes, and scatter lists in staging or in the KV
                         tensors themselves
@@ -14,7 +14,7 @@
                         (or this one's own get) holds a lease on is removed once
                         the lease ends (retried after 1, 2, 4 ... 32 s)
 
-Thread safe: saves, loads and the caller's thread use one Core.
+Thread safe: saves, loads and the caller's thread use one Shared.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvpool.store.scatter import Scatter
 from kvpool.transfer.copies import KVCopier
 from kvpool.transfer.records import ChunkRef, JobResult, TransferStats
 
-__all__ = ["Core", "all_ok"]
+__all__ = ["Shared", "all_ok"]
 
 logger = logging.getLogger("kvpool.transfer.engine")
 
@@ -42,7 +42,7 @@ DISCARD_RETRY_S = (1.0, 32.0)  # first and last wait before retrying a leased re
 _GONE = frozenset({Status.OK, Status.MISSING})
 
 
-class Core:
+class Shared:
     """See the module docstring."""
 
     def __init__(

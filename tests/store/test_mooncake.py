@@ -232,6 +232,7 @@ def test_fresh_shared_memory_is_mapped_in_the_holder_at_once_and_leaves_no_key(
     with MooncakeStore(local_pool.config(), shared_memory=True) as shm:
         keys_before = master_metrics(local_pool.metrics_url).get("master_key_count", 0)
         buf = shm.alloc_staging(nbytes)
+        assert shm.staging_mapped.wait(30)  # in the background: start is not held up
         assert _holder_rss_of_mapping(pid, nbytes) == [nbytes]  # every page mapped
         assert master_metrics(local_pool.metrics_url).get("master_key_count", 0) == keys_before
         buf[:] = 3  # and the memory works as staging
@@ -245,6 +246,7 @@ def test_a_pool_that_refuses_the_warm_up_still_gives_staging(
     monkeypatch.setattr(mooncake_store, "WARM_PIECE", 32 * MiB)  # no room for one piece
     with MooncakeStore(pool.config(), shared_memory=True) as shm:
         buf = shm.alloc_staging(16 * MiB)
+        assert shm.staging_mapped.wait(30)
         buf[: 2 * MiB] = 5
         assert shm.batch_put(["small/a"], [[(buf.ctypes.data, 2 * MiB)]]) == [Status.OK]
         assert shm.batch_get(["small/a"], [[(buf.ctypes.data + 8 * MiB, 2 * MiB)]]) == [Status.OK]

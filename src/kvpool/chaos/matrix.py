@@ -107,9 +107,9 @@ class ChaosContext:
             seed_prompts = self.families[0] + self.families[1]
             self.run_engine(self.spec(pool, [seed_prompts]), "seed")
             wanted = distinct_chunks(seed_prompts)
-            wait_until(lambda: len(master_keys(pool.metrics_url)) >= wanted, 30.0)
+            wait_until(lambda: len(_keys(pool)) >= wanted, 30.0)
             with _raw_client(pool) as raw:
-                for key in master_keys(pool.metrics_url):
+                for key in _keys(pool):
                     value = raw.get(key)
                     if value:
                         self.seed[key] = bytes(value)
@@ -233,6 +233,12 @@ def _failures(stats: dict[str, Any]) -> str:
     return _counts(stats.get("failures"))
 
 
+def _keys(pool: LocalPool) -> list[str]:
+    """The pool's kvpool keys (``kvpool/...``): not a store's own transient ones, such as
+    the shared-memory warm-up's (``MooncakeStore._map_in_holder``)."""
+    return [k for k in master_keys(pool.metrics_url) if k.startswith("kvpool/")]
+
+
 def _run_until_saved(
     s: EngineSession, pool: LocalPool, phases: int, before: set[str]
 ) -> tuple[int, float]:
@@ -241,9 +247,9 @@ def _run_until_saved(
     t0 = time.monotonic()
     for _ in range(phases):
         s.next_phase()
-        if wait_until(lambda: bool(set(master_keys(pool.metrics_url)) - before), 3.0):
+        if wait_until(lambda: bool(set(_keys(pool)) - before), 3.0):
             break
-    new = set(master_keys(pool.metrics_url)) - before
+    new = set(_keys(pool)) - before
     return len(new), time.monotonic() - t0
 
 
@@ -293,7 +299,7 @@ def _holder_killed(ctx: ChaosContext, env: RowEnv) -> str:
         ctx.check_outputs(p0["results"], f[0])
         stats = p0["connector"]
         pool.restart_holder()
-        new, secs = _run_until_saved(s, pool, 3, set(master_keys(pool.metrics_url)))
+        new, secs = _run_until_saved(s, pool, 3, set(_keys(pool)))
         s.finish()
     if not stats.get("failures"):  # its objects were on the dead holder: loads failed
         raise RowFailed(f"the holder was dead, yet no load failure was counted: {stats}")
@@ -337,7 +343,7 @@ def _holder_frozen(ctx: ChaosContext, env: RowEnv) -> str:
     with _frozen_phase(ctx, env, "holder-frozen", load_timeout_s=timeout_s) as (pool, s, p0):
         stats = p0["connector"]
         slowest = max(r["total_s"] for r in p0["results"])
-        new, secs = _run_until_saved(s, pool, 3, set(master_keys(pool.metrics_url)))
+        new, secs = _run_until_saved(s, pool, 3, set(_keys(pool)))
         s.finish()
     if not stats.get("loads_timed_out"):
         raise RowFailed(f"no load timed out (failures: {_failures(stats)})")
@@ -383,7 +389,7 @@ def _pool_full(ctx: ChaosContext, env: RowEnv) -> str:
     ctx.check_outputs(a["results"], prompts)
     with _raw_client(pool) as raw:  # a second wave: the pool must evict to take it
         placed += sum(raw.put(f"chaos/filler2/{i}", filler) == 0 for i in range(60))
-    kept = len([k for k in master_keys(pool.metrics_url) if k.startswith("kvpool/")])
+    kept = len(_keys(pool))
     b = ctx.run_engine(ctx.spec(pool, [prompts]), "pool-full-b")
     ctx.check_outputs(b["results"], prompts)
     m = master_metrics(pool.metrics_url)
@@ -411,7 +417,7 @@ def _evicted_before_load(ctx: ChaosContext, env: RowEnv) -> str:
     if not 1 <= failed <= len(prompts):
         raise RowFailed(f"{failed} failed loads for {len(prompts)} prompts")
     # B saved what it recomputed: the keys are back.
-    if not wait_until(lambda: set(ctx.seed) <= set(master_keys(pool.metrics_url)), 10.0):
+    if not wait_until(lambda: set(ctx.seed) <= set(_keys(pool)), 10.0):
         raise RowFailed("the recomputed chunks were not saved again")
     return f"{failed} load(s) found nothing and were recomputed; the chunks were saved again"
 
@@ -502,7 +508,7 @@ def _two_configs(ctx: ChaosContext, env: RowEnv) -> str:
     stats = b["connector"]
     if stats.get("failures") or stats.get("hit_tokens"):
         raise RowFailed(f"the bfloat16 engine hit float32 keys: {stats}")
-    spaces = {parse_key(k).fingerprint for k in master_keys(pool.metrics_url)}
+    spaces = {parse_key(k).fingerprint for k in _keys(pool)}
     return (
         f"bfloat16 engine on a float32 pool: 0 hits, 0 failed loads, outputs equal its own "
         f"baseline; {len(spaces)} config fingerprints now share the pool"
@@ -684,7 +690,7 @@ def _engine_killed(ctx: ChaosContext, env: RowEnv) -> str:
     with ctx.session(spec, "killed", KVPOOL_CHAOS_PUT_DELAY_S="30") as a:
         a.next_phase()
         a.kill()  # its saves are still queued behind the slow put
-    left = len(master_keys(pool.metrics_url))
+    left = len(_keys(pool))
     # The kill must have cut saves short (build_tiny_llama: 2 KV heads, an object each).
     if left >= 2 * distinct_chunks(prompts):
         raise RowFailed(f"every object ({left}) had landed before the kill: nothing was queued")
@@ -692,11 +698,11 @@ def _engine_killed(ctx: ChaosContext, env: RowEnv) -> str:
     ctx.check_outputs(b["results"], prompts)
     if b["connector"].get("failures"):
         raise RowFailed(f"the restarted engine failed loads: {b['connector']['failures']}")
-    if not wait_until(lambda: len(master_keys(pool.metrics_url)) >= distinct_chunks(prompts), 10.0):
+    if not wait_until(lambda: len(_keys(pool)) >= distinct_chunks(prompts), 10.0):
         raise RowFailed("the restarted engine's saves did not land")
     return (
         f"killed with saves queued ({left} objects had landed); the restarted engine "
-        f"recomputed, outputs equal, saved {len(master_keys(pool.metrics_url))} objects"
+        f"recomputed, outputs equal, saved {len(_keys(pool))} objects"
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,9 +13,8 @@ import pytest
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError, StoreUnavailable
-from kvpool.pool import LocalPool, master_metrics
+from kvpool.pool import LocalPool
 from kvpool.store import Status, open_store
-from kvpool.store import mooncake as mooncake_store
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
 
@@ -203,51 +201,3 @@ def test_batches_beyond_mooncakes_segments_in_flight_all_succeed(local_pool: Any
         assert time.monotonic() - started < 30
         assert np.array_equal(src, dst)
         store.batch_remove(keys, force=True)
-
-
-def _holder_rss_of_mapping(pid: int, nbytes: int) -> list[int]:
-    """Resident bytes of each of the holder's shared-memory mappings of ``nbytes``."""
-    found, size = [], -1
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        if "memfd:" in line:
-            size = 0
-        elif size == 0 and line.startswith("Size:"):
-            size = int(line.split()[1]) * 1024
-            size = size if size == nbytes else -1
-        elif size == nbytes and line.startswith("Rss:"):
-            found.append(int(line.split()[1]) * 1024)
-            size = -1
-    return found
-
-
-def test_fresh_shared_memory_is_mapped_in_the_holder_at_once_and_leaves_no_key(
-    local_pool: LocalPool,
-) -> None:
-    """The holder's first touch of each page costs a fault (a fresh engine's first
-    load ran at a fifth of the speed of its next): ``alloc_staging`` has it touch
-    them all before any request, with puts it removes at once."""
-    nbytes = 20 * MiB + 4096  # three warm-up pieces, the last a partial one
-    pid = local_pool.holder_pid
-    assert pid is not None
-    with MooncakeStore(local_pool.config(), shared_memory=True) as shm:
-        keys_before = master_metrics(local_pool.metrics_url).get("master_key_count", 0)
-        buf = shm.alloc_staging(nbytes)
-        assert shm.staging_mapped.wait(30)  # in the background: start is not held up
-        assert _holder_rss_of_mapping(pid, nbytes) == [nbytes]  # every page mapped
-        assert master_metrics(local_pool.metrics_url).get("master_key_count", 0) == keys_before
-        buf[:] = 3  # and the memory works as staging
-        assert shm.batch_put(["warm/a"], [[(buf.ctypes.data, MiB)]]) == [Status.OK]
-
-
-def test_a_pool_that_refuses_the_warm_up_still_gives_staging(
-    pool_factory: Callable[..., LocalPool], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    pool = pool_factory(segment_size=16 * MiB)
-    monkeypatch.setattr(mooncake_store, "WARM_PIECE", 32 * MiB)  # no room for one piece
-    with MooncakeStore(pool.config(), shared_memory=True) as shm:
-        buf = shm.alloc_staging(16 * MiB)
-        assert shm.staging_mapped.wait(30)
-        buf[: 2 * MiB] = 5
-        assert shm.batch_put(["small/a"], [[(buf.ctypes.data, 2 * MiB)]]) == [Status.OK]
-        assert shm.batch_get(["small/a"], [[(buf.ctypes.data + 8 * MiB, 2 * MiB)]]) == [Status.OK]
-        assert (buf[8 * MiB : 10 * MiB] == 5).all()

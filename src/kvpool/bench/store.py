@@ -141,9 +141,9 @@ def run_store_bench(
     framed = FramedStore(store, _BENCH_FP, checksum=config.checksum, secret=config.secret)
     transport = "shared memory" if store.shared_memory else config.protocol
     try:
-        src = framed.alloc_staging(total_bytes, warm=False)
+        src = framed.alloc_staging(total_bytes)
         src[:] = np.random.default_rng(0).integers(0, 256, total_bytes, dtype=np.uint8)
-        dst = framed.alloc_staging(total_bytes, warm=False)
+        dst = framed.alloc_staging(total_bytes)
         dst[:] = 0
         ref = np.zeros(total_bytes, dtype=np.uint8)  # numpy-copy target
         results = tuple(

@@ -467,7 +467,7 @@ def _variant(
         return _Variant(saver, loader, src, dst)
 
     def home(n: int) -> torch.Tensor | None:
-        return torch.from_numpy(framed.alloc_staging(n, warm=False)) if shm else None
+        return torch.from_numpy(framed.alloc_staging(n)) if shm else None
 
     zsrc = _KVCache(src.shape, src.num_blocks, home(src.nbytes))
     zsrc.bytes[:] = src.bytes
@@ -503,11 +503,11 @@ def _bench_size(
         # over TCP, replicas in the dummy client's shared memory otherwise.
         if raw_store.shared_memory:
             raw_src = _KVCache(
-                shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes, warm=False))
+                shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes))
             )
             raw_src.bytes[:] = src.bytes
             raw_dst = _KVCache(
-                shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes, warm=False))
+                shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes))
             )
         else:
             raw_src, raw_dst = src, dst

@@ -83,9 +83,6 @@ def _capacity_table() -> Any:
 
 REPORTS: dict[str, Report] = {
     "vllm": Report(("vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table),
-    "vllm-small": Report(
-        ("vllm", "--shape", "8x8x64:float32", "--lengths", "2000,3000"), _vllm_table
-    ),
     "serve": Report(("serve", "--shape", "llama3-8b"), _serve_table),
     "capacity": Report(("capacity",), _capacity_table),
 }

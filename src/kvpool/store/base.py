@@ -235,15 +235,12 @@ class KVStore(abc.ABC):
         """Undo ``register_memory(addr, ...)``; unknown regions are ignored."""
         return None
 
-    def alloc_staging(self, nbytes: int, *, warm: bool = True) -> npt.NDArray[np.uint8]:
+    def alloc_staging(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """A buffer of ``nbytes`` (contents unspecified) that any segment may use.
 
         Registered already and valid until ``close``; never use it afterwards.
-        ``warm``: a store may prepare it for fast first transfers in the background
-        (Mooncake's shared memory: ``MooncakeStore._map_in_holder``); False for
-        memory that is not staging (a KV cache placed there). The default allocates
-        numpy memory and registers it. Raises ``StoreError`` if the backend cannot
-        provide it.
+        The default allocates numpy memory and registers it. Raises ``StoreError``
+        if the backend cannot provide it.
         """
         self._check_open()
         buf = np.empty(nbytes, dtype=np.uint8)

@@ -141,9 +141,9 @@ class FramedStore(KVStore):
         super().register_memory(addr, size)
         self.inner.register_memory(addr, size)
 
-    def alloc_staging(self, nbytes: int, *, warm: bool = True) -> npt.NDArray[np.uint8]:
+    def alloc_staging(self, nbytes: int) -> npt.NDArray[np.uint8]:
         self._check_open()
-        return self.inner.alloc_staging(nbytes, warm=warm)
+        return self.inner.alloc_staging(nbytes)
 
     def reaches(self, addr: int, nbytes: int) -> bool:
         return self.inner.reaches(addr, nbytes)

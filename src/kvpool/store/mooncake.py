@@ -44,7 +44,6 @@ import os
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -166,8 +165,6 @@ SHM_SEGMENTS_IN_FLIGHT = 16384
 # On shared memory a slice costs ~4 us, about a copy of 8 KiB.
 TCP_MERGE_BYTES = 64 << 10
 SHM_MERGE_BYTES = 8 << 10
-WARM_PIECE = 8 << 20  # see MooncakeStore._map_in_holder
-WARM_PUT_MAX_S = 1.0
 
 
 class MooncakeStore(KVStore):
@@ -188,8 +185,6 @@ class MooncakeStore(KVStore):
         _bound_waits(config, os.environ)
         self.config = config
         self._cond = threading.Condition()
-        self.staging_mapped = threading.Event()  # see _map_in_holder
-        self.staging_mapped.set()
         self._transfer_lock = threading.Lock()
         self._inflight = 0
         self.shared_memory = False
@@ -283,11 +278,10 @@ class MooncakeStore(KVStore):
         if rc != 0:
             raise StoreError(f"Mooncake refused to register {size} bytes at {addr:#x} (code {rc})")
 
-    def alloc_staging(self, nbytes: int, *, warm: bool = True) -> npt.NDArray[np.uint8]:
-        """In shared-memory mode, memory from the holder's pool, registered whole
-        (with ``warm``, mapped in the holder in the background: ``_map_in_holder``)."""
+    def alloc_staging(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """In shared-memory mode, memory from the holder's pool, registered whole."""
         if not self.shared_memory:
-            return super().alloc_staging(nbytes, warm=warm)
+            return super().alloc_staging(nbytes)
         with self._using() as store:
             if store is None:
                 raise StoreUnavailable("MooncakeStore is closed")
@@ -299,43 +293,7 @@ class MooncakeStore(KVStore):
             raise StoreError(f"Mooncake refused to register its own shared memory (code {rc})")
         buf = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
         self._staging.append(buf)  # what ``reaches`` answers from
-        if not warm:
-            return buf
-        self.staging_mapped.clear()
-        threading.Thread(
-            target=self._map_in_holder, args=(addr, nbytes), name="kvpool-map-staging", daemon=True
-        ).start()
         return buf
-
-    def _map_in_holder(self, addr: int, nbytes: int) -> None:
-        """Have the holder touch every page of fresh shared memory once, on a
-        background thread (``staging_mapped`` is set when it ends).
-
-        The holder copies into and out of this memory through its own mapping, and
-        its first access to each 4 KiB page faults: the first get into fresh staging
-        ran at 1.8 GB/s against 9 GB/s into staging used before (124 MiB, measured),
-        so a fresh engine's first pool hit paid ~55 ms more than its next. Puts of
-        ``WARM_PIECE`` bytes from each part of it (removed at once, under keys
-        outside kvpool's ``kvpool/`` namespace) map every page for 30-45 ms per
-        124 MiB, at start instead of on a request. A pool with no room, a closed
-        store or a put slower than ``WARM_PUT_MAX_S`` (a slow pool: real traffic
-        will map the pages) stops it; loads then only run slower the first time."""
-        try:
-            for off in range(0, nbytes, WARM_PIECE):
-                key = f"kvpool-warm-up/{os.getpid()}-{addr + off:x}"
-                size = min(WARM_PIECE, nbytes - off)
-                began = time.monotonic()
-                with self._using() as store:  # close waits for the put and its remove
-                    if store is None:
-                        return
-                    status = self._put([key], Scatter([[addr + off]], [[size]]))[0]
-                    if status is Status.OK:
-                        self._guarded("batch_remove", store.batch_remove, [key], True)
-                if status is not Status.OK or time.monotonic() - began > WARM_PUT_MAX_S:
-                    logger.debug("kvpool: shared-memory warm-up stopped (%s)", status)
-                    return
-        finally:
-            self.staging_mapped.set()
 
     def unregister_memory(self, addr: int) -> None:
         with self._using() as store:

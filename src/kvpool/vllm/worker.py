@@ -41,7 +41,6 @@ start stays idle (so does the scheduler's lookup service).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -205,8 +204,7 @@ class WorkerSide:
             logger.warning("kvpool: the KV cache lives in an old client's memory; staging")
             return False
         try:
-            # not staging: real transfers map the KV cache in the holder as they go
-            place_kv(self._groups, functools.partial(store.alloc_staging, warm=False))
+            place_kv(self._groups, store.alloc_staging)
         except (KVPoolError, ValueError) as exc:
             logger.warning("kvpool: zero_copy off, the KV cache stays where it is (%s)", exc)
             return False

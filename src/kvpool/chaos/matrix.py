@@ -234,8 +234,7 @@ def _failures(stats: dict[str, Any]) -> str:
 
 
 def _keys(pool: LocalPool) -> list[str]:
-    """The pool's kvpool keys (``kvpool/...``): not a store's own transient ones, such as
-    the shared-memory warm-up's (``MooncakeStore._map_in_holder``)."""
+    """The pool's kvpool keys (``kvpool/...``), not other clients' keys."""
     return [k for k in master_keys(pool.metrics_url) if k.startswith("kvpool/")]
 
 

@@ -22,7 +22,7 @@ from kvpool.store.scatter import Segments
 from kvpool.transfer import TransferStats
 from kvpool.vllm.identity import EngineIdentity
 from kvpool.vllm.metadata import ChunkOp, KVPoolMetadata, RequestOps
-from kvpool.vllm.worker import WorkerSide
+from kvpool.vllm.worker import IDLE_WAIT_S, WorkerSide
 
 B, NB = 32, 16  # tokens per block, blocks
 
@@ -230,6 +230,25 @@ def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -
     data = worker.interval_stats()
     assert data is not None and data["chunks_loaded"] == 2 and data["chunks_saved"] == 0
     assert snapshots == 1
+    worker.close()
+
+
+def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
+    """vLLM's engine and workers spin while one waits for another; a rank with no
+    load of its own that returned at once spun beside them and, on two cores,
+    starved the holder serving the other rank's load (30 s, then a miss)."""
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    worker = WorkerSide(
+        identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store
+    )
+    worker.register(kv_caches())
+    for _ in range(3):
+        start = time.monotonic()
+        assert worker.finished(idle=True) == (set(), set())
+        assert time.monotonic() - start >= IDLE_WAIT_S
     worker.close()
 
 

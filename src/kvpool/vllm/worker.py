@@ -11,7 +11,8 @@
     WorkerSide.flush_saves(freed)   zero copy: wait for the saves still reading blocks
         of requests that finished or were preempted (before the next forward)
     WorkerSide.finished(idle)       (finished loads, failed loads) by request id;
-        blocks only in an idle step with loads in flight, at most IDLE_WAIT_S
+        in an idle step it first blocks up to IDLE_WAIT_S (on its transfers, or
+        asleep when it has none: no rank spins while another's transfer runs)
     WorkerSide.load_errors()        block ids to recompute, reported no later than
         the step that returns their request as finished
     WorkerSide.released()           finished requests whose blocks vLLM kept
@@ -380,14 +381,20 @@ class WorkerSide:
     def finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """(request ids whose load finished, the subset that failed).
 
-        With ``idle`` (no tokens scheduled this step) and loads in flight, first wait
-        up to ``IDLE_WAIT_S`` for one to finish: the engine would otherwise spin
-        through empty steps and take the CPU the transfer needs.
+        With ``idle`` (no tokens scheduled this step) first block up to
+        ``IDLE_WAIT_S``: on this rank's transfers if any are in flight, else asleep.
+        vLLM's engine and workers spin (``sched_yield``) while one waits for
+        another, and on a small host those spinners starved the pool's processes:
+        a TP2 load waited 30 s on a holder that got no CPU, and the master expired
+        the holder meanwhile. So every rank blocks, not only one with a transfer.
         """
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
-        if idle and (self._loads or self._book.has_finishing) and self.engine is not None:
-            self.engine.wait_any(IDLE_WAIT_S)
+        if idle:
+            if self.engine is not None and (self._loads or self._book.has_finishing):
+                self.engine.wait_any(IDLE_WAIT_S)
+            else:
+                time.sleep(IDLE_WAIT_S)
         results, self._early = self._early, []
         results += self.engine.poll() if self.engine is not None else []
         results += self._check_store(results)

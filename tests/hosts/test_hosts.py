@@ -369,8 +369,18 @@ def test_a_holders_host_cut_off_in_the_middle_of_a_load_from_it_costs_misses_onl
 
             return dict(engine.next_phase(timeout=120, during=cut_mid_transfer))
 
+    def get_returned() -> None:
+        """A load given up at its deadline (2 s) leaves its get running until
+        Mooncake's own transfer bound (5 s without progress); the client moves one
+        transfer at a time, so loads meanwhile queue behind it and miss. The third
+        batch tests the pool after the fault: it starts once that get returned."""
+        log = tmp_path / "host3.log"
+        if "had no answer after" in log.read_text():
+            returned = "given up at its deadline returned"
+            assert wait_until(lambda: returned in log.read_text(), timeout=60)
+
     before, during, after = _three_batches(hosts, host1_file, tiny_model, tmp_path, families,
-                                           second, load_timeout_s=2)  # fmt: skip
+                                           second, get_returned, load_timeout_s=2)  # fmt: skip
     assert 32 << 10 <= at_cut[0] < 256 << 10, at_cut  # the cut fell inside the transfer
     c0, c1 = before["connector"], during["connector"]
     abandoned = c1["loads_timed_out"] - c0["loads_timed_out"]

@@ -138,9 +138,11 @@ class Loads:
         while (piece := self.scatter_q.get()) is not None:
             job = piece.job
             t0 = time.perf_counter()
+            late = False
             try:
                 with job.lock:
-                    if not job.is_reported():  # TIMED_OUT: its blocks may be reused
+                    late = job.is_reported()  # TIMED_OUT: its blocks may be reused
+                    if not late:
                         self._scatter(piece, [s.ok for s in piece.statuses])
             except Exception:
                 logger.exception("load %r: copy into KV failed", job.job_id)
@@ -157,6 +159,13 @@ class Loads:
                 piece.get_s * 1e3,
                 (time.perf_counter() - t0) * 1e3,
             )
+            if late and piece.get_s:  # the store held this client until now
+                logger.info(
+                    "load %r: a get given up at its deadline returned after %.1f s; "
+                    "its bytes are dropped",
+                    job.job_id,
+                    piece.get_s,
+                )
             for c, st in zip(job.chunks[piece.lo : piece.hi], piece.statuses, strict=True):
                 job.got[c.key] = st
             if piece.last:

@@ -2,7 +2,10 @@
 
     KeySpace.create(...)      model identity + config fingerprint for one engine
                               configuration (everything that changes KV bytes
-                              or the hash chain goes into the fingerprint)
+                              or the hash chain goes into the fingerprint), in
+                              one tenant's space (``tenant``; empty: none)
+    check_tenant(name)        a tenant name as given, or ``LayoutError`` saying
+                              what a name may hold
     KeySpace.key(c, h)        the key of shard ``c`` (a layout.ContentId) for
                               chunk hash ``h``
     KeySpace.template(c)      that key without the hash: ``key(c, h)`` is
@@ -15,6 +18,10 @@
 A key reads, left to right (``/`` separated)::
 
     kvpool/<schema>/<model>/<fingerprint>/g<group>.h<head>.d<dcp>.c<pcp>.b<band>/<hash hex>
+
+and in a tenant's space ``kvpool/<schema>/!<tenant>/<model>/...``: engines of
+different tenants never name one object alike, whatever their prompts and models.
+(A quoted model never begins with ``!``, so the two forms cannot collide.)
 
 The model is its full name or path (percent-quoted where needed, ``/`` kept),
 so ``org-a/llama`` and ``org-b/llama`` never collide. Two configurations that
@@ -57,6 +64,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "KeySpace",
     "ParsedKey",
+    "check_tenant",
     "dp_index_of",
     "lookup_endpoint",
     "parse_key",
@@ -80,6 +88,23 @@ _NUM_RE = re.compile(_NUM)
 _CONTENT_RE = re.compile(rf"g{_NUM}\.h{_NUM}\.d{_NUM}\.c{_NUM}\.b{_NUM}")
 _HEX_RE = re.compile(r"[0-9a-f]+")
 _FP_RE = re.compile(rf"[0-9a-f]{{{_FP_HEX}}}")
+# Also a valid Mooncake tenant name (no leading '_'), so one name can serve both.
+_TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_TENANT_MARK = "!"  # quote() escapes '!' in a model name: only a tenant part starts so
+
+
+def check_tenant(name: str) -> str:
+    """``name`` if it may name a tenant, else ``LayoutError`` saying what may."""
+    if not isinstance(name, str) or not _TENANT_RE.fullmatch(name):
+        raise LayoutError(
+            f"tenant name {name!r} must be 1-64 letters, digits, '_', '.' or '-', "
+            "beginning with a letter or digit"
+        )
+    return name
+
+
+def _tenant_part(tenant: str) -> str:
+    return f"{_TENANT_MARK}{tenant}/" if tenant else ""
 
 
 def _hash_hex(chunk_hash: bytes | str) -> str:
@@ -106,10 +131,12 @@ class ParsedKey:
     content: ContentId
     chunk_hash: str  # lowercase hex
     schema: int = SCHEMA_VERSION
+    tenant: str = ""  # empty: no tenant
 
     def __str__(self) -> str:
         return (
-            f"{_ROOT}/{self.schema}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
+            f"{_ROOT}/{self.schema}/{_tenant_part(self.tenant)}"
+            f"{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
             f"{_content_part(self.content)}/{self.chunk_hash}"
         )
 
@@ -123,7 +150,12 @@ def parse_key(key: str) -> ParsedKey:
         raise KeyFormatError(f"not a kvpool key (must start with '{_ROOT}/'): {key!r}")
     if not _NUM_RE.fullmatch(head[1]):
         raise KeyFormatError(f"bad schema version {head[1]!r} in {key!r}")
-    tail = head[2].rsplit("/", 3)
+    rest, tenant = head[2], ""
+    if rest.startswith(_TENANT_MARK):
+        tenant, _, rest = rest[1:].partition("/")
+        if not _TENANT_RE.fullmatch(tenant):
+            raise KeyFormatError(f"bad tenant {tenant!r} in {key!r}")
+    tail = rest.rsplit("/", 3)
     if len(tail) != 4 or not tail[0]:
         raise KeyFormatError(f"kvpool key has too few parts: {key!r}")
     model_q, fp, content_s, h = tail
@@ -131,7 +163,8 @@ def parse_key(key: str) -> ParsedKey:
     if not _FP_RE.fullmatch(fp) or m is None or not _HEX_RE.fullmatch(h):
         raise KeyFormatError(f"malformed fingerprint, content or hash in {key!r}")
     g, slot, d, c, b = (int(x) for x in m.groups())
-    parsed = ParsedKey(unquote(model_q), fp, ContentId(slot, d, c, b, g), h, int(head[1]))
+    content = ContentId(slot, d, c, b, g)
+    parsed = ParsedKey(unquote(model_q), fp, content, h, int(head[1]), tenant)
     if str(parsed) != key:  # non-canonical spellings (e.g. leading zeros) are refused
         raise KeyFormatError(f"kvpool key is not in canonical form: {key!r}")
     return parsed
@@ -148,6 +181,7 @@ class KeySpace:
     model: str
     fingerprint: str
     config: Mapping[str, Any] = field(compare=False, hash=False, default_factory=dict)
+    tenant: str = ""  # empty: no tenant
 
     @classmethod
     def create(
@@ -161,12 +195,16 @@ class KeySpace:
         head_size: int,
         num_layers: int,
         extra: Mapping[str, str | int] | None = None,
+        tenant: str = "",
     ) -> KeySpace:
         """Fingerprint everything that changes KV bytes or the hash chain.
 
         ``extra`` takes further byte-changing fields (a weights revision, a
-        quantisation scheme); each changes the fingerprint.
+        quantisation scheme); each changes the fingerprint. ``tenant`` is not in
+        the fingerprint: it is a part of every key of its own (``check_tenant``).
         """
+        if tenant:
+            check_tenant(tenant)
         if not model:
             raise LayoutError("model name must not be empty")
         try:
@@ -200,12 +238,15 @@ class KeySpace:
             config["dcp"] = layout.dcp  # and its shards (one per DCP rank) on dcp
             config["pcp"] = layout.pcp  # and on pcp
         blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
-        return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config)
+        return cls(model, hashlib.sha256(blob).hexdigest()[:_FP_HEX], config, tenant)
 
     @property
     def prefix(self) -> str:
         """Every key of this space starts with this string."""
-        return f"{_ROOT}/{SCHEMA_VERSION}/{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
+        return (
+            f"{_ROOT}/{SCHEMA_VERSION}/{_tenant_part(self.tenant)}"
+            f"{quote(self.model, safe=_SAFE)}/{self.fingerprint}/"
+        )
 
     def key(self, content: ContentId, chunk_hash: bytes | str) -> str:
         """The key of ``content``'s object for the chunk whose hash is ``chunk_hash``."""

@@ -1,6 +1,7 @@
 """Connector settings from vLLM's ``kv_connector_extra_config``, parsed in one place.
 
-    parse_extra(extra) -> (ConnectorSettings, pool settings dict)
+    parse_extra(extra, env) -> (ConnectorSettings, pool settings dict); ``tenant``
+                          falls back to ``$KVPOOL_TENANT``
     settings_table()   -> the README's settings table (Markdown), made from the
                           fields of ``ConnectorSettings`` and ``PoolConfig``
 
@@ -14,6 +15,7 @@ list) is an error naming the key and what it takes, never a converted default.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Literal
@@ -27,9 +29,12 @@ from kvpool.config import (
     parse_number,
     parse_size,
 )
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, LayoutError
+from kvpool.keys import check_tenant
 
-__all__ = ["ConnectorSettings", "parse_extra", "parse_layer_bands", "settings_table"]
+__all__ = ["TENANT_ENV", "ConnectorSettings", "parse_extra", "parse_layer_bands", "settings_table"]
+
+TENANT_ENV = "KVPOOL_TENANT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,12 @@ class ConnectorSettings:
         False, "Answer vLLM 'ask again later' instead of waiting for the lookup."
     )
     save_decode: bool = documented(False, "Also save chunks completed during decode.")
+    tenant: str = documented(
+        "",
+        "The engine's tenant: its objects are named in that tenant's space, and engines "
+        "of other tenants never read them (vLLM's per-request cache_salt still splits "
+        "inside one). Empty: $KVPOOL_TENANT, else no tenant.",
+    )
     instance: str = documented(
         "", "Names the lookup endpoint; empty = from the engine's config fingerprint."
     )
@@ -107,8 +118,12 @@ _CONNECTOR = {f.name: f for f in fields(ConnectorSettings)}
 _POOL = {f.name for f in fields(PoolConfig)}
 
 
-def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dict[str, Any]]:
-    """Split and validate ``kv_connector_extra_config``."""
+def parse_extra(
+    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> tuple[ConnectorSettings, dict[str, Any]]:
+    """Split and validate ``kv_connector_extra_config``; ``env`` (default: the
+    process environment) gives ``tenant`` where ``extra`` leaves it empty."""
+    env = os.environ if env is None else env
     extra = dict(extra or {})
     unknown = sorted(
         k if isinstance(k, str) and k.isidentifier() else repr(k)
@@ -154,6 +169,8 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
                     f"kv_connector_extra_config.load_mode must be auto, direct or staged, got {v!r}"
                 )
             values[name] = v
+        elif name == "tenant":
+            values[name] = _tenant(v, f"kv_connector_extra_config.{name}")
         else:  # run_dir, instance, store: text
             if not isinstance(v, str):
                 raise ConfigError(
@@ -161,7 +178,20 @@ def parse_extra(extra: Mapping[str, Any] | None) -> tuple[ConnectorSettings, dic
                     f"default), got {v!r}"
                 )
             values[name] = v
+    if not values.get("tenant") and env.get(TENANT_ENV):
+        values["tenant"] = _tenant(env[TENANT_ENV], TENANT_ENV)
     return ConnectorSettings(**values), pool
+
+
+def _tenant(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name} must be a string (empty for no tenant), got {value!r}")
+    if not value:
+        return ""
+    try:
+        return check_tenant(value)
+    except LayoutError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def parse_layer_bands(value: Any, name: str) -> tuple[int, ...]:
@@ -208,7 +238,8 @@ def settings_table() -> str:
         "|---|---|---|---|",
     ]
     for f in fields(ConnectorSettings):
-        rows.append(f"| `{f.name}` | {_default(f)} | | {f.metadata['doc']} |")
+        env = f" `{TENANT_ENV}` (when unset) " if f.name == "tenant" else " "
+        rows.append(f"| `{f.name}` | {_default(f)} |{env}| {f.metadata['doc']} |")
     for f in fields(PoolConfig):
         env = f"`{ENV_PREFIX}{f.name.upper()}`"
         rows.append(f"| `{f.name}` | {_default(f)} | {env} | {f.metadata['doc']} |")

@@ -256,10 +256,11 @@ def test_up_with_a_secret_keeps_it_in_an_owner_only_pool_file(
     assert "not-hex" not in bad.stderr and not joining.pool_file.exists()
 
 
-def test_purge_removes_one_models_objects_and_nothing_else(home: Home) -> None:
+def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: Home) -> None:
     """kvpool purge: a dry run counts, a real one removes the model's objects only
-    (another model's, and keys that are not kvpool's, stay), while an engine-like
-    reader holds a lease on one of them (removed once the lease ends)."""
+    (another model's, another tenant's, and keys that are not kvpool's, stay), while
+    an engine-like reader holds a lease on one of them (removed once the lease
+    ends); ``--tenant`` then removes one tenant's objects only."""
     from kvpool.keys import KeySpace
     from kvpool.layout import Layout
     from kvpool.pool import LocalPool, master_keys
@@ -269,9 +270,10 @@ def test_purge_removes_one_models_objects_and_nothing_else(home: Home) -> None:
     pool = LocalPool.attach(home.pool_file)
     layout = Layout.create(groups=["gqa:2"])
     spaces = {
-        m: KeySpace.create(model=m, layout=layout, kv_dtype="f32", model_dtype="f32",
-                           chunk_size=32, head_size=64, num_layers=2)
-        for m in ("org/a", "org/b")
+        name: KeySpace.create(model=m, layout=layout, kv_dtype="f32", model_dtype="f32",
+                              chunk_size=32, head_size=64, num_layers=2, tenant=t)
+        for name, m, t in (("org/a", "org/a", ""), ("org/b", "org/b", ""),
+                           ("team-t", "org/b", "team-t"))
     }  # fmt: skip
     keys = {
         m: [s.key(c, bytes([n]) * 8) for c in layout.holdings(0, 0) for n in range(5)]
@@ -280,20 +282,35 @@ def test_purge_removes_one_models_objects_and_nothing_else(home: Home) -> None:
     buf = bytearray(4096)
     addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
     with MooncakeStore(pool.config()) as store:
-        everything = [*keys["org/a"], *keys["org/b"], "someone-else/object"]
+        everything = [*keys["org/a"], *keys["org/b"], *keys["team-t"], "someone-else/object"]
         assert store.batch_put(everything, [[(addr, len(buf))]] * len(everything)) == [
             Status.OK
         ] * len(everything)
         dry = home.kvpool("purge", "--model", "org/a", "--dry-run")
         assert dry.returncode == 0, dry.stderr
         assert "would remove 10 objects of model org/a" in dry.stdout
-        assert len(master_keys(pool.metrics_url)) == 21  # nothing removed
+        assert len(master_keys(pool.metrics_url)) == 31  # nothing removed
         # A reader's lease on one object: the purge waits for it, never forces.
         store.batch_get(keys["org/a"][:1], [[(addr, len(buf))]])
         r = home.kvpool("purge", "--model", "org/a", "--wait", "10")
         assert r.returncode == 0, r.stderr
         assert "removed 10 objects of model org/a" in r.stdout
-    left = set(master_keys(pool.metrics_url))
-    assert left == {*keys["org/b"], "someone-else/object"}
+    assert set(master_keys(pool.metrics_url)) == {
+        *keys["org/b"],
+        *keys["team-t"],
+        "someone-else/object",
+    }
+    status = home.kvpool("status", "--json")
+    rows = json.loads(status.stdout)["namespaces"]["rows"]
+    assert sorted((r["tenant"], r["model"], r["keys"]) for r in rows) == [
+        ("", "org/b", 10),
+        ("team-t", "org/b", 10),
+    ]
+    r = home.kvpool("purge", "--tenant", "team-t")
+    assert r.returncode == 0, r.stderr
+    assert "removed 10 objects of tenant team-t" in r.stdout
+    assert set(master_keys(pool.metrics_url)) == {*keys["org/b"], "someone-else/object"}
     bad = home.kvpool("purge")
-    assert bad.returncode == 2 and "--model and/or --fingerprint, or --all" in bad.stderr
+    assert bad.returncode == 2 and "--tenant, --model and/or --fingerprint, or --all" in bad.stderr
+    bad = home.kvpool("purge", "--tenant", "_t")
+    assert bad.returncode == 2 and "tenant name '_t' must be 1-64 letters" in bad.stderr

@@ -158,6 +158,8 @@ def test_a_pool_file_with_a_secret_is_its_owners_alone(
         ({"layer_bands": [16, 0]}, "in increasing order"),  # was quietly sorted
         ({"layer_bands": "0,16,16"}, "once, in increasing order"),
         ({"lookup_timout_ms": 5}, "did you mean lookup_timeout_ms?"),
+        ({"tenant": 7}, "tenant must be a string"),
+        ({"tenant": "team a"}, "tenant: tenant name 'team a' must be 1-64 letters"),
     ],
 )
 def test_a_connector_setting_of_the_wrong_kind_is_refused_never_converted(
@@ -177,3 +179,13 @@ def test_settings_of_the_right_kind_still_parse() -> None:
     )
     assert settings.shared_memory == "on" and settings.layer_bands == (0, 16)
     assert settings.run_dir == "/tmp/k" and settings.load_mode == "staged"
+
+
+def test_the_tenant_comes_from_the_settings_else_from_kvpool_tenant() -> None:
+    from kvpool.settings import parse_extra
+
+    assert parse_extra({}, env={})[0].tenant == ""
+    assert parse_extra({}, env={"KVPOOL_TENANT": "team-b"})[0].tenant == "team-b"
+    assert parse_extra({"tenant": "team-a"}, env={"KVPOOL_TENANT": "team-b"})[0].tenant == "team-a"
+    with pytest.raises(ConfigError, match="KVPOOL_TENANT: tenant name '_x'"):
+        parse_extra({}, env={"KVPOOL_TENANT": "_x"})

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool import keys
-from kvpool.errors import KeyFormatError
+from kvpool.errors import KeyFormatError, LayoutError
 from kvpool.keys import SCHEMA_VERSION, KeySpace, ParsedKey, parse_key
 from kvpool.layout import ContentId, Layout
 
@@ -123,3 +123,51 @@ def test_hash_must_be_hex_or_bytes() -> None:
         make_space().key(ContentId(0, 0, 0, 0, 0), "not-hex")
     with pytest.raises(KeyFormatError):
         make_space().key(ContentId(0, 0, 0, 0, 0), b"")
+
+
+tenants = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", fullmatch=True)
+
+
+@settings(max_examples=200)
+@given(tenants, st.text(min_size=1), contents, st.binary(min_size=1, max_size=16))
+def test_a_tenants_keys_round_trip_and_never_equal_a_key_of_no_tenant(
+    tenant: str, model: str, content: ContentId, h: bytes
+) -> None:
+    space = make_space(model, tenant=tenant)
+    key = space.key(content, h)
+    parsed = parse_key(key)
+    assert parsed.tenant == tenant and parsed.model == model and str(parsed) == key
+    assert key.startswith(space.prefix) and key.startswith(f"kvpool/4/!{tenant}/")
+    assert space.fingerprint == make_space(model).fingerprint  # not in the fingerprint
+    # No model of no tenant, however named, has this key: a quoted model never starts '!'.
+    assert make_space(f"!{tenant}/{model}").key(content, h) != key
+    assert parse_key(make_space(f"!{tenant}/{model}").key(content, h)).tenant == ""
+
+
+def test_two_tenants_name_one_prompt_of_one_model_apart() -> None:
+    c = ContentId(0, 0, 0, 0, 0)
+    a, b = make_space(tenant="team-a"), make_space(tenant="team-b")
+    assert a.key(c, b"x") != b.key(c, b"x") != make_space().key(c, b"x")
+    model = "meta-llama/Llama-3.1-8B"
+    assert a.key(c, b"x") == f"kvpool/4/!team-a/{model}/{a.fingerprint}/g0.h0.d0.c0.b0/78"
+
+
+@pytest.mark.parametrize("bad", ["", "_x", "-x", "a/b", "a b", "ü", "a" * 65, "a!b"])
+def test_a_bad_tenant_name_says_what_a_name_may_hold(bad: str) -> None:
+    with pytest.raises(LayoutError, match="1-64 letters, digits"):
+        keys.check_tenant(bad)
+    if bad:
+        with pytest.raises(LayoutError):
+            make_space(tenant=bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "kvpool/4/!/m/0123456789abcdef/g0.h0.d0.c0.b0/ab",
+        "kvpool/4/!_t/m/0123456789abcdef/g0.h0.d0.c0.b0/ab",
+    ],
+)
+def test_parse_refuses_a_bad_tenant_part(bad: str) -> None:
+    with pytest.raises(KeyFormatError):
+        parse_key(bad)

@@ -78,7 +78,25 @@ def test_namespace_counts() -> None:
         ("org/llama", 1, 2, 6),
     ]
     text = _render(namespace_table(summary))
-    assert "org/llama" in text and "(other)" in text
+    assert "org/llama" in text and "(other)" in text and "tenant" not in text
+
+
+def test_namespace_counts_per_tenant_and_purge_selects_one_tenant() -> None:
+    from kvpool.pool.purge import select
+
+    mine = [KEY.format(g=0, h=h, n=n) for h in (0, 1) for n in range(3)]
+    theirs = [k.replace("kvpool/1/", "kvpool/1/!team-b/") for k in mine]
+    summary = namespace_counts(mine + theirs[:4])
+    assert [(r.tenant, r.model, r.keys) for r in summary.rows] == [
+        ("", "org/llama", 6),
+        ("team-b", "org/llama", 4),
+    ]
+    text = _render(namespace_table(summary))
+    assert "tenant" in text and "team-b" in text
+    assert select(mine + theirs, tenant="team-b") == theirs
+    assert select(mine + theirs, model="org/llama") == mine + theirs  # every tenant
+    assert select(mine + theirs, model="org/llama", tenant="team-b") == theirs
+    assert select(mine + theirs, model="org/other", tenant="team-b") == []
 
 
 def _status(**kw: object) -> PoolStatus:

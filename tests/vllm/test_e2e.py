@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -533,3 +534,30 @@ def test_a_producer_fills_the_pool_and_a_consumer_only_reads_it(
     stats = consumer["connector"]
     assert stats["chunks_saved"] == 0 and stats["bytes_saved"] == 0
     assert len(pool_objects(local_pool, prompts())[0]) == len(keys)  # not one key more
+
+
+def test_engines_of_two_tenants_never_read_each_others_objects(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """The ``tenant`` setting: the same prompts of the same model in two tenants'
+    spaces are two sets of objects. An engine of tenant B misses everything tenant
+    A saved (and saves its own); a fresh engine of A hits A's objects."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+
+    def of(tenant: str) -> dict[str, Any]:
+        s = spec(tiny_model, "kvpool", pool_file)
+        s["extra"]["tenant"] = tenant
+        return s
+
+    base = run_engine(spec(tiny_model, "none"))
+    run_engine(of("team-a"))
+    keys, chunks = pool_objects(local_pool, prompts())
+    assert len(keys) == chunks * TINY_KV_HEADS and {k.tenant for k in keys} == {"team-a"}
+    b = run_engine(of("team-b"))
+    assert b["connector"]["hit_tokens"] == 0  # not one token of team-a's
+    assert_same_outputs(b, base)
+    keys = pool_objects(local_pool, prompts())[0]
+    assert Counter(k.tenant for k in keys) == {"team-a": len(keys) // 2, "team-b": len(keys) // 2}
+    a = run_engine(of("team-a"))
+    assert a["results"][0]["cached_tokens"] >= 256  # from team-a's objects
+    assert_same_outputs(a, base)

@@ -34,7 +34,8 @@ from rich.console import Console, Group
 from rich.table import Table
 
 from kvpool.config import parse_size, pool_file_path
-from kvpool.errors import ConfigError, KVPoolError, StoreUnavailable
+from kvpool.errors import ConfigError, KVPoolError, LayoutError, StoreUnavailable
+from kvpool.keys import check_tenant
 from kvpool.pool import (
     LocalPool,
     NamespaceSummary,
@@ -155,17 +156,22 @@ def _host_keys(status: PoolStatus, host: str) -> str:
 
 
 def namespace_table(summary: NamespaceSummary) -> Table:
-    """Keys per kvpool namespace and KV group, and a row for keys of other users."""
+    """Keys per kvpool namespace and KV group, and a row for keys of other users;
+    a tenant column when some keys are in a tenant's space ("-": of no tenant)."""
     t = Table(title="keys by namespace", title_justify="left")
+    tenants = any(row.tenant for row in summary.rows)
+    if tenants:
+        t.add_column("tenant")
     t.add_column("model")
     t.add_column("fingerprint")
     t.add_column("group", justify="right")
     t.add_column("contents", justify="right")
     t.add_column("keys", justify="right")
     for row in summary.rows:
-        t.add_row(row.model, row.fingerprint, f"g{row.group}", str(row.contents), str(row.keys))
+        cells = [row.model, row.fingerprint, f"g{row.group}", str(row.contents), str(row.keys)]
+        t.add_row(*([row.tenant or "-"] if tenants else []), *cells)
     if summary.other or not summary.rows:
-        t.add_row("(other)", "", "", "", str(summary.other))
+        t.add_row(*([""] if tenants else []), "(other)", "", "", "", str(summary.other))
     return t
 
 
@@ -208,6 +214,7 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         else {
             "rows": [
                 {
+                    "tenant": r.tenant,
                     "model": r.model,
                     "fingerprint": r.fingerprint,
                     "group": r.group,
@@ -466,6 +473,12 @@ def status(as_json: bool) -> None:
     help="Remove the objects of this config fingerprint (`kvpool status` lists them; at "
     "least 4 hex digits), of one model or of all.",
 )
+@click.option(
+    "--tenant",
+    default=None,
+    help="Remove the objects of this tenant (the connector's `tenant` setting); with "
+    "--model or --fingerprint, only those of it. Without it they match every tenant.",
+)
 @click.option("--all", "everything", is_flag=True, help="Remove every kvpool object.")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
 @click.option(
@@ -476,16 +489,29 @@ def status(as_json: bool) -> None:
     help="Seconds to retry objects in use (an engine reading them holds a lease).",
 )
 def purge(
-    model: str | None, fingerprint: str | None, everything: bool, dry_run: bool, wait: float
+    model: str | None,
+    fingerprint: str | None,
+    tenant: str | None,
+    everything: bool,
+    dry_run: bool,
+    wait: float,
 ) -> None:
-    """Remove a model's objects from the running pool (safe while engines run)."""
+    """Remove a tenant's or a model's objects from the running pool (safe while
+    engines run)."""
     from kvpool.pool.master_api import key_bytes, master_keys
     from kvpool.pool.purge import purge as remove
     from kvpool.pool.purge import select
     from kvpool.store.mooncake import MooncakeStore
 
-    if everything == (model is not None or fingerprint is not None):
-        raise click.UsageError("name what to remove: --model and/or --fingerprint, or --all")
+    if everything == (model is not None or fingerprint is not None or tenant is not None):
+        raise click.UsageError(
+            "name what to remove: --tenant, --model and/or --fingerprint, or --all"
+        )
+    if tenant is not None:
+        try:
+            check_tenant(tenant)
+        except LayoutError as exc:
+            raise click.BadParameter(str(exc), param_hint="--tenant") from None
     if fingerprint is not None and not re.fullmatch(r"[0-9a-f]{4,16}", fingerprint):
         raise click.BadParameter(
             f"4 to 16 lowercase hex digits, got {fingerprint!r}", param_hint="--fingerprint"
@@ -495,11 +521,15 @@ def purge(
         raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
     pool = LocalPool.attach(path)
     keys = select(
-        master_keys(pool.metrics_url), model=model, fingerprint=fingerprint, everything=everything
+        master_keys(pool.metrics_url),
+        model=model,
+        fingerprint=fingerprint,
+        tenant=tenant,
+        everything=everything,
     )
+    given = (("tenant", tenant), ("model", model), ("fingerprint", fingerprint))
     what = "every kvpool object" if everything else " ".join(
-        f"{name} {value}" for name, value in (("model", model), ("fingerprint", fingerprint))
-        if value is not None
+        f"{name} {value}" for name, value in given if value is not None
     )  # fmt: skip
     if not keys:
         _console().print(f"kvpool purge: no object of {what} in the pool", soft_wrap=True)

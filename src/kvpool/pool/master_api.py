@@ -138,7 +138,7 @@ def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:
 # The master reads /query_key's key as sent, not percent-decoded: a kvpool key (ASCII,
 # its model already percent-quoted) goes out as it is; other characters are quoted,
 # and a key that needs them counts nowhere.
-_AS_IS = "/%:@=+,"
+_AS_IS = "/%:@=+,!"  # "!": the mark of a tenant part (keys)
 
 
 def _replicas(

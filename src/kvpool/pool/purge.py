@@ -1,8 +1,9 @@
-"""Remove a model's objects from a running pool: what ``kvpool purge`` does.
+"""Remove a tenant's or a model's objects from a running pool: what ``kvpool purge`` does.
 
-    select(keys, model=None, fingerprint=None, everything=False) -> the kvpool keys
-                                 that match (a model name, a fingerprint or its
-                                 first characters, or every kvpool key)
+    select(keys, model=None, fingerprint=None, tenant=None, everything=False)
+                              -> the kvpool keys that match (a model name, a
+                                 fingerprint or its first characters, a tenant:
+                                 all that are given; or every kvpool key)
     purge(store, keys, wait_s)   -> PurgeResult: removed, gone already, still in use
 
 Safe while engines run: a remove is never forced, so an object an engine is
@@ -41,10 +42,12 @@ def select(
     *,
     model: str | None = None,
     fingerprint: str | None = None,
+    tenant: str | None = None,
     everything: bool = False,
 ) -> list[str]:
-    """The kvpool keys among ``keys`` of ``model`` and/or ``fingerprint`` (a prefix of
-    at least 4 hex digits), or all of them with ``everything``."""
+    """The kvpool keys among ``keys`` of ``model``, ``fingerprint`` (a prefix of at
+    least 4 hex digits) and ``tenant``, those given; all of them with ``everything``.
+    Without ``tenant``, a model's or fingerprint's keys of every tenant match."""
     out = []
     for key in keys:
         try:
@@ -54,6 +57,7 @@ def select(
         if everything or (
             (model is None or parsed.model == model)
             and (fingerprint is None or parsed.fingerprint.startswith(fingerprint))
+            and (tenant is None or parsed.tenant == tenant)
         ):
             out.append(key)
     return out

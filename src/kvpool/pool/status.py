@@ -6,8 +6,8 @@
                                  ``hosts()`` its memory per host, and keys per
                                  host when it spans hosts (``KEY_SAMPLE`` keys
                                  asked at most: beyond, the counts are estimates)
-    namespace_counts(keys)       keys grouped by kvpool namespace and KV group
-                                 (``NamespaceSummary``); other keys counted apart
+    namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
+                                 group (``NamespaceSummary``); other keys counted apart
 
 ``pool_status`` never raises for an unreachable master: that is a field
 (``reachable``, ``error``); a master that cannot list its keys leaves
@@ -36,8 +36,10 @@ KEY_SAMPLE = 1000  # keys whose host status asks, at most (one HTTP request each
 
 @dataclass(frozen=True, slots=True)
 class NamespaceCount:
-    """Keys of one KV group of one kvpool namespace (model + config fingerprint)."""
+    """Keys of one KV group of one kvpool namespace (tenant + model + config
+    fingerprint); ``tenant`` is empty for keys of no tenant."""
 
+    tenant: str
     model: str
     fingerprint: str
     group: int
@@ -54,9 +56,9 @@ class NamespaceSummary:
 
 
 def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
-    """Group ``keys`` by (model, fingerprint, KV group) with ``keys.parse_key``."""
-    counts: Counter[tuple[str, str, int]] = Counter()
-    contents: dict[tuple[str, str, int], set[tuple[int, int, int, int]]] = {}
+    """Group ``keys`` by (tenant, model, fingerprint, KV group) with ``keys.parse_key``."""
+    counts: Counter[tuple[str, str, str, int]] = Counter()
+    contents: dict[tuple[str, str, str, int], set[tuple[int, int, int, int]]] = {}
     other = 0
     for key in keys:
         try:
@@ -65,7 +67,7 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
             other += 1
             continue
         c = k.content
-        ns = (k.model, k.fingerprint, c.group)
+        ns = (k.tenant, k.model, k.fingerprint, c.group)
         counts[ns] += 1
         contents.setdefault(ns, set()).add((c.head, c.dcp_rank, c.pcp_rank, c.band))
     rows = tuple(NamespaceCount(*ns, counts[ns], len(contents[ns])) for ns in sorted(counts))

@@ -202,6 +202,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 settings.layer_bands,
                 settings.heads_per_object,
                 settings.token_classes,
+                settings.tenant,
             )
             pool = load_config(pool_settings)
             pool.require_master()
@@ -261,7 +262,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
         self._closers.insert(0, client.close)
         self._lookup_client = client
-        logger.info("kvpool: scheduler lookups at %s (pool %s)", endpoint, pool.master_address)
+        logger.info(
+            "kvpool: scheduler lookups at %s (pool %s%s)",
+            endpoint,
+            pool.master_address,
+            f", tenant {settings.tenant}" if settings.tenant else "",
+        )
         role = str(getattr(self._vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
         return SchedulerSide(identity, settings, client, events=events, role=role)
 

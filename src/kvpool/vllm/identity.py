@@ -107,11 +107,13 @@ def engine_identity(
     layer_bands: Sequence[int] = (),
     heads_per_object: int = 1,
     token_classes: int = 0,
+    tenant: str = "",
 ) -> EngineIdentity:
     """The engine's layout and key space; ``UnsupportedEngine`` if it cannot be pooled.
     ``layer_bands`` (the setting): the layers where a band begins; empty = where
     each PP stage begins; ``heads_per_object`` (the setting): KV heads per object;
-    ``token_classes`` (the setting): DCP's token grid, 0 = the DCP size."""
+    ``token_classes`` (the setting): DCP's token grid, 0 = the DCP size;
+    ``tenant`` (the setting): the tenant whose space the keys are in."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -190,6 +192,7 @@ def engine_identity(
             "kv_layout": _kv_layout(vllm_config, kv_cache_config),
             **byte_fields(model, cache),
         },
+        tenant=tenant,
     )
     return EngineIdentity(layout, space, block_size, chunk, layout.dp_index)
 

@@ -112,3 +112,29 @@ def test_a_pool_with_a_disk_reads_evicted_objects_back_even_after_a_holder_resta
         buf = store.alloc_staging(size)
         addr = buf.ctypes.data
         assert wait_until(first_quarter_reads_back, 30, step=0.2)
+
+
+def test_a_pinned_prompt_outlives_a_flood_that_evicts_an_unpinned_one(
+    pool_factory: PoolFactory,
+) -> None:
+    """A request's ``pin_seconds`` reaches Mooncake as a soft pin on the objects its
+    saves put (shared-memory path): a pool written four times over, never reading
+    either prompt, evicts the unpinned prompt and keeps the pinned one whole."""
+    pool = pool_factory(segment_size=POOL, lease_ttl_ms=200)
+    kv = torch.randn(NB, 2, BS, ROW)
+    pinned = [
+        ChunkRef(r.key, r.group, r.chunk, r.block_ids, pin_ms=600_000) for r in _prompt("pin")
+    ]
+    with MooncakeStore(pool.config(), shared_memory=True) as store:
+        engine = TransferEngine(store, [[("l0", kv)]], NB, staging_bytes=32 << 20)
+        try:
+            assert engine.submit_save("pin", pinned) and engine.submit_save("free", _prompt("free"))
+            assert all(r.ok for r in engine.wait(["pin", "free"], timeout=60))
+            for i in range(4 * POOL // (CHUNKS * 128 << 10)):
+                assert engine.submit_save(f"p{i}", _prompt(f"p{i}"))
+                (saved,) = engine.wait([f"p{i}"], timeout=60)
+                assert saved.ok, (i, saved.statuses)
+        finally:
+            engine.close()
+        assert _present(store, "pin") == "x" * CHUNKS
+        assert _present(store, "free") == "." * CHUNKS

@@ -53,6 +53,24 @@ def test_evicts_oldest_first_and_evicted_keys_read_missing() -> None:
     assert np.array_equal(out, data[4])
 
 
+def test_pinned_objects_are_evicted_after_unpinned_ones_until_their_pin_ends() -> None:
+    clock = Clock()
+    store = MemoryStore(capacity=300, clock=clock)
+    d = [whole(buf(100, i)) for i in range(6)]
+    assert store.batch_put(["p0"], d[:1], pin_ms=10_000) == [Status.OK]
+    assert store.batch_put(["k1", "k2", "k3"], d[1:4]) == [Status.OK] * 3
+    assert store.keys() == ["p0", "k2", "k3"]  # k1 went, not the older pinned p0
+    assert store.pinned("p0") and not store.pinned("k2")
+    assert store.batch_put(["p4", "p5"], d[4:6], pin_ms=10_000) == [Status.OK] * 2
+    assert store.keys() == ["p0", "p4", "p5"]
+    assert store.batch_put(["k6"], d[:1]) == [Status.OK]  # all pinned: oldest pin goes
+    assert store.keys() == ["p4", "p5", "k6"]
+    clock.now = 11.0  # the pins ended: plain oldest-first again
+    assert not store.pinned("p4")
+    assert store.batch_put(["k7"], d[:1]) == [Status.OK]
+    assert store.keys() == ["p5", "k6", "k7"]
+
+
 def test_leased_objects_are_not_evicted_and_may_cause_no_space() -> None:
     clock = Clock()
     store = MemoryStore(capacity=200, lease_s=1.0, clock=clock)

@@ -794,11 +794,11 @@ def test_a_put_that_raises_fails_its_piece_and_still_frees_every_piece() -> None
     class Raising(MemoryStore):
         calls = 0
 
-        def batch_put(self, keys, segments):  # type: ignore[no-untyped-def]
+        def batch_put(self, keys, segments, pin_ms=0):  # type: ignore[no-untyped-def]
             Raising.calls += 1
             if Raising.calls == 2:
                 raise RuntimeError("injected")
-            return super().batch_put(keys, segments)
+            return super().batch_put(keys, segments, pin_ms)
 
     store = Raising(capacity=1 << 28)
     src = cpu_layers(2)

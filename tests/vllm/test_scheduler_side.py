@@ -14,7 +14,7 @@ from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.vllm.identity import EngineIdentity
-from kvpool.vllm.metadata import KVPoolWorkerMetadata
+from kvpool.vllm.metadata import KVPoolWorkerMetadata, RequestOps
 from kvpool.vllm.scheduler import SchedulerSide
 
 B = 32
@@ -210,6 +210,18 @@ def test_a_producer_never_loads_and_a_consumer_never_saves(role: str) -> None:
     assert s.finish("r") is (role != "kv_consumer")  # blocks kept only for saves
 
 
+def planned_saves(chunks: int, **params: Any) -> list[RequestOps]:
+    """The save plans of one step computing a whole prompt of ``chunks`` chunks
+    (and 3 tokens), whose kv_transfer_params are ``params``."""
+    s, _, m = side(hit=0)
+    req = FakeRequest.make("r", chunks * B + 3)
+    req.kv_transfer_params = params
+    s.matched_tokens(req, 0)
+    s.after_alloc(req, 0)
+    m.tables["r"] = (list(range(chunks + 1)),)
+    return s.build_meta(step([("r", 0)], {"r": chunks * B + 3})).saves
+
+
 def test_a_request_can_limit_or_refuse_its_loads_and_saves(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -232,18 +244,27 @@ def test_a_request_can_limit_or_refuse_its_loads_and_saves(
     assert caplog.text.count("max_load_tokens must be a whole number >= 0, got 'lots'") == 1
 
     def saved(**params: Any) -> list[int]:
-        s2, _, m2 = side(hit=0)
-        req = FakeRequest.make("r", 6 * B + 3)
-        req.kv_transfer_params = params
-        s2.matched_tokens(req, 0)
-        s2.after_alloc(req, 0)
-        m2.tables["r"] = (list(range(7)),)
-        meta = s2.build_meta(step([("r", 0)], {"r": 6 * B + 3}))
-        return [c.chunk for ops in meta.saves for c in ops.chunks]
+        return [c.chunk for ops in planned_saves(6, **params) for c in ops.chunks]
 
     assert saved() == [0, 1, 2, 3, 4, 5]
     assert saved(max_offload_tokens=2 * B + 5) == [0, 1]
     assert saved(max_offload_tokens=0) == []
+
+
+def test_a_request_can_pin_what_its_saves_put() -> None:
+    """kv_transfer_params.pin_seconds: the save plans carry the pin (at most a day,
+    Mooncake's default limit); a bad value pins nothing."""
+    from kvpool.vllm.scheduler import MAX_PIN_S
+
+    def pins(**params: Any) -> set[int]:
+        saves = planned_saves(3, **params)
+        assert [c.chunk for ops in saves for c in ops.chunks] == [0, 1, 2]
+        return {ops.pin_ms for ops in saves}
+
+    assert pins() == {0}
+    assert pins(pin_seconds=600) == {600_000}
+    assert pins(pin_seconds=10 * MAX_PIN_S) == {MAX_PIN_S * 1000}
+    assert pins(pin_seconds=-1) == {0} and pins(pin_seconds="1h") == {0}
 
 
 def test_an_unknown_role_is_a_config_error() -> None:

@@ -233,10 +233,8 @@ def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -
     worker.close()
 
 
-def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
-    """vLLM's engine and workers spin while one waits for another; a rank with no
-    load of its own that returned at once spun beside them and, on two cores,
-    starved the holder serving the other rank's load (30 s, then a miss)."""
+def plain_worker() -> tuple[WorkerSide, MemoryStore]:
+    """A registered TP1 worker over a 1 GiB memory store, default settings."""
     store = MemoryStore(capacity=1 << 30)
     kv_config = SimpleNamespace(
         num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
@@ -245,10 +243,35 @@ def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() ->
         identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store
     )
     worker.register(kv_caches())
+    return worker, store
+
+
+def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
+    """vLLM's engine and workers spin while one waits for another; a rank with no
+    load of its own that returned at once spun beside them and, on two cores,
+    starved the holder serving the other rank's load (30 s, then a miss)."""
+    worker, _ = plain_worker()
     for _ in range(3):
         start = time.monotonic()
         assert worker.finished(idle=True) == (set(), set())
         assert time.monotonic() - start >= IDLE_WAIT_S
+    worker.close()
+
+
+def test_a_save_of_a_request_with_a_pin_pins_its_objects() -> None:
+    """RequestOps.pin_ms (the request's pin_seconds) reaches the store's put, through
+    the framing, for that request's objects only."""
+    worker, store = plain_worker()
+    a, b = ops("a", [1, 2]), RequestOps("b", (ChunkOp(0, b"\x09" * 8, ((3,),)),))
+    pinned = RequestOps(a.req_id, a.chunks, a.fresh_from, pin_ms=60_000)
+    worker.start_saves(KVPoolMetadata(saves=[pinned, b]))
+    assert worker.engine is not None and worker.engine.wait_any(10)
+    deadline = time.monotonic() + 10
+    while len(store.keys()) < 3 and time.monotonic() < deadline:
+        worker.engine.wait_any(0.1)
+    stored = store.keys()  # a list, not a dict's view
+    assert len(stored) == 3
+    assert sorted(map(store.pinned, stored)) == [False, True, True]
     worker.close()
 
 
@@ -585,14 +608,7 @@ def test_a_finishing_request_is_noted_at_load_time_too() -> None:
 def test_chunks_the_lookup_found_missing_are_put_again_though_put_before() -> None:
     """A worker skips keys it stored recently without a store call; once the pool
     evicted them, the scheduler's lookup says so (``fresh_from``) and they go again."""
-    store = MemoryStore(capacity=1 << 30)
-    kv_config = SimpleNamespace(
-        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
-    )
-    worker = WorkerSide(
-        identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store
-    )
-    worker.register(kv_caches())
+    worker, store = plain_worker()
 
     def save(fresh_from: int | None) -> None:
         worker.start_saves(

@@ -10,9 +10,12 @@ Both forms and their helpers are ``kvpool.store.scatter``'s.
 
     batch_exists(keys)            OK or MISSING per key (a failure status when the
                                   store cannot answer)
-    batch_put(keys, segments)     store each key's bytes; a key that already exists
-                                  keeps its old value and reports OK or EXISTS
-                                  (``reports_duplicates`` says which one to expect)
+    batch_put(keys, segments, pin_ms=0)  store each key's bytes; a key that already
+                                  exists keeps its old value and reports OK or EXISTS
+                                  (``reports_duplicates`` says which one to expect);
+                                  ``pin_ms`` > 0 asks to keep the new objects that
+                                  long before others are evicted (a soft pin: a
+                                  store without pins stores them unpinned)
     batch_get(keys, segments)     fill the caller's segments; OK only when the
                                   object's size equals the segments' total;
                                   MISSING when absent or evicted
@@ -41,7 +44,8 @@ Guarantees every implementation keeps:
 Callers keep the destinations of one ``batch_get`` disjoint, and leave every
 segment untouched until the call returns.
 
-Implementers provide ``_exists``, ``_put``, ``_get`` and ``_remove``; the public
+Implementers provide ``_exists``, ``_put``, ``_get`` and ``_remove`` (and
+``_put_pinned`` where the backend pins; by default it is ``_put``); the public
 calls around them validate input (a malformed entry is INVALID without reaching
 the backend, each kind logged once; addresses and sizes must be Python ``int``,
 not numpy integers), answer UNAVAILABLE after ``close()``, and split batches
@@ -198,14 +202,21 @@ class KVStore(abc.ABC):
         valid = [_malformed(k, check_segments=False) for k in keys]
         return self._run(keys, None, valid, lambda ks, _: self._exists(ks), self.max_key_batch)
 
-    def batch_put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+    def batch_put(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int = 0
+    ) -> list[Status]:
         """Store ``keys[i]`` as the concatenation of ``segments[i]``.
 
         OK or EXISTS when the key holds a value afterwards (possibly an older
         one); NO_SPACE, TRANSFER_FAILED, UNAVAILABLE or INVALID otherwise.
-        An object of zero bytes is INVALID.
+        An object of zero bytes is INVALID. ``pin_ms`` > 0: new objects are
+        soft-pinned that long (evicted only after unpinned ones); an object that
+        existed keeps its old pin.
         """
-        return self._run(keys, segments, self._problems(keys, segments), self._put)
+        problems = self._problems(keys, segments)
+        if pin_ms <= 0:
+            return self._run(keys, segments, problems, self._put)
+        return self._run(keys, segments, problems, lambda k, s: self._put_pinned(k, s, pin_ms))
 
     def batch_get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         """Fill ``segments[i]`` with the bytes of ``keys[i]``.
@@ -287,6 +298,13 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         """One status per key; inputs are valid and at most ``max_batch`` long."""
+
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
+        """``_put`` with a soft pin of ``pin_ms`` > 0; a store without pins stores
+        the objects unpinned (this default)."""
+        return self._put(keys, segments)
 
     @abc.abstractmethod
     def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:

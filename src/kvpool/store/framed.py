@@ -170,6 +170,20 @@ class FramedStore(KVStore):
     # -- framing --------------------------------------------------------------------
 
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self._framed_put(keys, segments, self.inner._put)
+
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
+        inner = self.inner
+        return self._framed_put(keys, segments, lambda k, f: inner._put_pinned(k, f, pin_ms))
+
+    def _framed_put(
+        self,
+        keys: Sequence[str],
+        segments: Sequence[Segments],
+        put: Callable[[Sequence[str], Sequence[Segments]], list[Status]],
+    ) -> list[Status]:
         slots = self._acquire(len(keys))
         try:
             # Checksums and headers of the whole batch at once (header.batch_checksums,
@@ -178,7 +192,7 @@ class FramedStore(KVStore):
             self._table.pack_rows(slots, self.fingerprint, keys, totals(segments), sums)
             if self._secret is not None:
                 self._table.sign_rows(slots, keys, segments, self._secret)
-            return self._inner(self.inner._put, keys, self._frames(slots, segments, copy_in=True))
+            return self._inner(put, keys, self._frames(slots, segments, copy_in=True))
         finally:
             self._release(slots)
 

@@ -11,6 +11,8 @@ Semantics (the same as the Mooncake adapter, except where noted):
 * Over ``capacity`` bytes, the oldest objects (by put time) whose lease has
   run out are evicted first; they then read MISSING. An object larger than the
   capacity, or one that cannot fit beside leased objects, is NO_SPACE.
+* A put with ``pin_ms`` soft-pins its new objects that long: eviction takes
+  unpinned objects first, pinned ones only when those do not free enough.
 * With ``lease_s > 0``, a successful get or exists grants a lease; remove
   without ``force`` reports LEASED while it runs, and eviction skips it.
 * Bytes are copied from and to the callers' addresses with ``ctypes.memmove``.
@@ -45,6 +47,7 @@ __all__ = ["MemoryStore"]
 class _Object:
     data: npt.NDArray[np.uint8]
     lease_until: float = 0.0  # clock time the read lease ends
+    pin_until: float = 0.0  # clock time the soft pin ends
 
 
 class MemoryStore(KVStore):
@@ -166,8 +169,19 @@ class MemoryStore(KVStore):
             return out
 
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return self._put_pinned(keys, segments, 0)
+
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
         with self._lock:
-            return [self._put_one(k, s) for k, s in zip(keys, segments, strict=True)]
+            return [self._put_one(k, s, pin_ms) for k, s in zip(keys, segments, strict=True)]
+
+    def pinned(self, key: str) -> bool:
+        """Whether ``key``'s object is soft-pinned now (a test hook)."""
+        with self._lock:
+            obj = self._objects.get(key)
+            return obj is not None and obj.pin_until > self._clock()
 
     def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         with self._lock:
@@ -190,7 +204,7 @@ class MemoryStore(KVStore):
 
     # -- internals (called with the lock held) ----------------------------------
 
-    def _put_one(self, key: str, segments: Segments) -> Status:
+    def _put_one(self, key: str, segments: Segments, pin_ms: int = 0) -> Status:
         if key in self._faults:
             return self._faults[key]
         if not self._registered(segments):
@@ -205,7 +219,8 @@ class MemoryStore(KVStore):
         for addr, n in segments:
             ctypes.memmove(dst, addr, n)
             dst += n
-        self._objects[key] = _Object(data)
+        pin_until = self._clock() + pin_ms / 1000 if pin_ms > 0 else 0.0
+        self._objects[key] = _Object(data, pin_until=pin_until)
         self._used += size
         return Status.OK
 
@@ -231,17 +246,21 @@ class MemoryStore(KVStore):
             obj.lease_until = now + self.lease_s
 
     def _make_room(self, size: int) -> bool:
-        """Evict the oldest unleased objects until ``size`` more bytes fit."""
+        """Evict the oldest unleased objects until ``size`` more bytes fit: the
+        unpinned ones first, then the pinned ones."""
         if self._used + size <= self.capacity:
             return True
         now = self._clock()
         victims, freed = [], 0
-        for key, obj in self._objects.items():
-            if obj.lease_until <= now:
-                victims.append(key)
-                freed += obj.data.nbytes
-                if self._used - freed + size <= self.capacity:
-                    break
+        for pinned in (False, True):
+            for key, obj in self._objects.items():
+                if obj.lease_until <= now and (obj.pin_until > now) == pinned:
+                    victims.append(key)
+                    freed += obj.data.nbytes
+                    if self._used - freed + size <= self.capacity:
+                        break
+            if self._used - freed + size <= self.capacity:
+                break
         if self._used - freed + size > self.capacity:
             return False  # leased objects pin too much; evict nothing
         for key in victims:

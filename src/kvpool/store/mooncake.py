@@ -336,6 +336,11 @@ class MooncakeStore(KVStore):
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         return self._by_segments(keys, segments, self._put_some)
 
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
+        return self._by_segments(keys, segments, lambda k, s: self._put_some(k, s, pin_ms))
+
     def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         return self._by_segments(keys, segments, self._get_some)
 
@@ -370,7 +375,9 @@ class MooncakeStore(KVStore):
             start = end
         return out
 
-    def _put_some(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+    def _put_some(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int = 0
+    ) -> list[Status]:
         ptrs, sizes = _columns(segments)
         with self._using() as store:
             if store is None:
@@ -381,7 +388,7 @@ class MooncakeStore(KVStore):
                 list(keys),
                 ptrs,
                 sizes,
-                _local_first(),
+                _put_options(pin_ms),
             )
         return self._statuses("put", keys, codes)
 
@@ -475,18 +482,23 @@ class MooncakeStore(KVStore):
         return status
 
 
-@functools.cache
-def _local_first() -> Any:
+@functools.lru_cache(maxsize=64)
+def _put_options(pin_ms: int = 0) -> Any:
     """Mooncake's put options asking the master for a segment on this client's node
     first (another node's when it has none: checked on the hosts tier; when the
     local one is full: the master's rule, not checked here): a host's saves stay in
     its own holder. Without it the master spread a host's saves over every holder
-    (measured on the hosts tier: 14 of 22 objects local, 22 of 22 with it). Made
-    once: every put passes the same options."""
-    from mooncake.store import ReplicateConfig
+    (measured on the hosts tier: 14 of 22 objects local, 22 of 22 with it).
+    ``pin_ms`` > 0: a soft pin that long (the master evicts unpinned objects first;
+    a TTL over its ``--max_kv_soft_pin_ttl``, 24 h by default, fails the put). Made
+    once per pin: puts pass the same options."""
+    from mooncake.store import ReplicateConfig, SoftPinAction
 
     config = ReplicateConfig()
     config.prefer_alloc_in_same_node = True
+    if pin_ms > 0:
+        config.soft_pin_action = SoftPinAction.ENABLE
+        config.soft_pin_ttl_ms = pin_ms
     return config
 
 

@@ -40,6 +40,7 @@ class ChunkRef:
     group: int
     chunk: int  # absolute chunk index in its request (orders failures)
     block_ids: tuple[int, ...]
+    pin_ms: int = 0  # saves: soft-pin the object this long (its request asked)
 
 
 @dataclass(frozen=True, slots=True)

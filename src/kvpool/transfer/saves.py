@@ -255,7 +255,8 @@ class Saves:
         """One piece's puts; objects refused for lack of space go again while the
         pool evicts, for up to ``FULL_RETRY_S``."""
         core = self.core
-        got = self._batch_put(keys, segs)
+        pins = [c.pin_ms for c in chunks]
+        got = self._batch_put(keys, segs, pins)
         todo = [i for i, st in enumerate(got) if st is Status.NO_SPACE]
         if not todo:
             return got
@@ -266,7 +267,9 @@ class Saves:
         while todo and time.monotonic() - t0 + pause <= FULL_RETRY_S:
             time.sleep(pause)  # Mooncake's eviction runs on its own clock: nothing to await
             pause = min(FULL_PAUSE_S[1], pause * 2)
-            again = self._batch_put([keys[i] for i in todo], take(segs, todo))
+            again = self._batch_put(
+                [keys[i] for i in todo], take(segs, todo), [pins[i] for i in todo]
+            )
             for i, st in zip(todo, again, strict=True):
                 got[i] = st
             todo = [i for i in todo if got[i] is Status.NO_SPACE]
@@ -276,9 +279,27 @@ class Saves:
             self._note("no_space", len({chunks[i].chunk for i in todo}))
         return got
 
-    def _batch_put(self, keys: list[str], segs: Sequence[Segments]) -> list[Status]:
+    def _batch_put(
+        self, keys: list[str], segs: Sequence[Segments], pins: list[int]
+    ) -> list[Status]:
+        """One store call per pin among ``pins`` (one, but for a job of several
+        requests' retries); a status per key, in order."""
+        store = self.core.store
+
+        def put(ks: list[str], ss: Sequence[Segments], pin: int) -> list[Status]:
+            # No pin: the two-argument call every store takes.
+            return store.batch_put(ks, ss, pin_ms=pin) if pin else store.batch_put(ks, ss)
+
         try:
-            got = self.core.store.batch_put(keys, segs)
+            if len(set(pins)) <= 1:
+                got = put(keys, segs, pins[0] if pins else 0)
+            else:
+                got = [Status.UNAVAILABLE] * len(keys)
+                for pin in set(pins):
+                    idx = [i for i, p in enumerate(pins) if p == pin]
+                    part = put([keys[i] for i in idx], take(segs, idx), pin)
+                    for i, st in zip(idx, part, strict=True):
+                        got[i] = st
             if len(got) != len(keys):
                 raise RuntimeError(f"{len(got)} statuses for {len(keys)} keys")
         except Exception:  # a bug: this piece fails, the later ones are still freed

@@ -44,6 +44,8 @@ class RequestOps:
     # worker puts them even if it remembers putting them (evicted since); None: no
     # lookup said (the worker skips keys it stored or loaded recently).
     fresh_from: int | None = None
+    # Saves: soft-pin the objects put for this long (the request's pin_seconds).
+    pin_ms: int = 0
 
 
 @dataclass

@@ -40,9 +40,11 @@ decode side) loads and plans no save; ``kv_both`` does both.
 Per request (``kv_transfer_params``, the names of vLLM's offloading connector):
 ``max_load_tokens`` N loads at most N tokens beyond what vLLM has locally (0: no
 lookup at all), ``max_offload_tokens`` N saves at most the first N prompt tokens
-(0: nothing). A value that is not a whole number >= 0 is ignored for that
-request, with one warning naming it (vLLM gives a connector no way to fail one
-request).
+(0: nothing), ``pin_seconds`` T soft-pins the objects its saves put for T
+seconds (at most ``MAX_PIN_S``: an agent's context between tool calls; the pool
+evicts unpinned objects first). A value that is not a whole number >= 0 is
+ignored for that request, with one warning naming it (vLLM gives a connector no
+way to fail one request).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ __all__ = ["Lookup", "SchedulerSide"]
 logger = logging.getLogger(__name__)
 
 _MAX_UNSTORED = 65536  # chunks awaiting their stored report (older ones are dropped)
+# The longest pin a request gets: Mooncake's default --max_kv_soft_pin_ttl (a
+# master refuses a put pinned longer than its own).
+MAX_PIN_S = 24 * 3600
 _MAX_SUPPRESSED = 65536  # chunks kept out of lookups after a failed load (oldest dropped)
 
 
@@ -299,7 +304,9 @@ class SchedulerSide:
             if end > state.saved or states:
                 chunks = self._chunk_ops(state, state.saved, end, states, limit)
                 if chunks:
-                    meta.saves.append(RequestOps(req_id, chunks, state.pool_end))
+                    pin_s = min(_limit(req, "pin_seconds") or 0, MAX_PIN_S)
+                    ops = RequestOps(req_id, chunks, state.pool_end, pin_ms=pin_s * 1000)
+                    meta.saves.append(ops)
                     if self.events:
                         self._expect_stored(req, chunks)
                 state.saved = max(state.saved, end)

@@ -310,7 +310,7 @@ class WorkerSide:
                     if writing and not layout.writes(self.rank, content, c.chunk):
                         continue
                     key = space.key(content, c.chunk_hash)
-                    ref = ChunkRef(key, engine_group, c.chunk, c.block_ids[g])
+                    ref = ChunkRef(key, engine_group, c.chunk, c.block_ids[g], ops.pin_ms)
                     refs.append((ref, c.chunk_hash))
         return refs
 

@@ -302,9 +302,9 @@ def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: 
     }
     status = home.kvpool("status", "--json")
     rows = json.loads(status.stdout)["namespaces"]["rows"]
-    assert sorted((r["tenant"], r["model"], r["keys"]) for r in rows) == [
-        ("", "org/b", 10),
-        ("team-t", "org/b", 10),
+    assert sorted((r["tenant"], r["model"], r["keys"], r["bytes"]) for r in rows) == [
+        ("", "org/b", 10, 10 * len(buf)),
+        ("team-t", "org/b", 10, 10 * len(buf)),
     ]
     r = home.kvpool("purge", "--tenant", "team-t")
     assert r.returncode == 0, r.stderr

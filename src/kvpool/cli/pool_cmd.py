@@ -167,11 +167,12 @@ def namespace_table(summary: NamespaceSummary) -> Table:
     t.add_column("group", justify="right")
     t.add_column("contents", justify="right")
     t.add_column("keys", justify="right")
+    t.add_column("bytes", justify="right")
     for row in summary.rows:
         cells = [row.model, row.fingerprint, f"g{row.group}", str(row.contents), str(row.keys)]
-        t.add_row(*([row.tenant or "-"] if tenants else []), *cells)
+        t.add_row(*([row.tenant or "-"] if tenants else []), *cells, format_bytes(row.bytes))
     if summary.other or not summary.rows:
-        t.add_row(*([""] if tenants else []), "(other)", "", "", "", str(summary.other))
+        t.add_row(*([""] if tenants else []), "(other)", "", "", "", str(summary.other), "")
     return t
 
 
@@ -220,6 +221,7 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
                     "group": r.group,
                     "contents": r.contents,
                     "keys": r.keys,
+                    "bytes": r.bytes,
                 }
                 for r in ns.rows
             ],

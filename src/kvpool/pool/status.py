@@ -7,7 +7,8 @@
                                  host when it spans hosts (``KEY_SAMPLE`` keys
                                  asked at most: beyond, the counts are estimates)
     namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
-                                 group (``NamespaceSummary``); other keys counted apart
+                                 group (``NamespaceSummary``); other keys counted
+                                 apart; ``pool_status`` adds each group's bytes
 
 ``pool_status`` never raises for an unreachable master: that is a field
 (``reachable``, ``error``); a master that cannot list its keys leaves
@@ -25,7 +26,13 @@ from dataclasses import dataclass, field, replace
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
 from kvpool.pool.local import LocalPool
-from kvpool.pool.master_api import key_hosts, master_keys, segment_capacities, segment_usage
+from kvpool.pool.master_api import (
+    key_bytes,
+    key_hosts,
+    master_keys,
+    segment_capacities,
+    segment_usage,
+)
 
 __all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
 
@@ -45,6 +52,10 @@ class NamespaceCount:
     group: int
     keys: int
     contents: int  # distinct content ids (head slot, dcp, pcp, pp) among those keys
+    sample: str = ""  # one of those keys
+    # keys x the sample's size (objects of one KV group of one namespace are all one
+    # size); None when the master did not say
+    bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +70,7 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
     """Group ``keys`` by (tenant, model, fingerprint, KV group) with ``keys.parse_key``."""
     counts: Counter[tuple[str, str, str, int]] = Counter()
     contents: dict[tuple[str, str, str, int], set[tuple[int, int, int, int]]] = {}
+    samples: dict[tuple[str, str, str, int], str] = {}
     other = 0
     for key in keys:
         try:
@@ -70,7 +82,10 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
         ns = (k.tenant, k.model, k.fingerprint, c.group)
         counts[ns] += 1
         contents.setdefault(ns, set()).add((c.head, c.dcp_rank, c.pcp_rank, c.band))
-    rows = tuple(NamespaceCount(*ns, counts[ns], len(contents[ns])) for ns in sorted(counts))
+        samples.setdefault(ns, key)
+    rows = tuple(
+        NamespaceCount(*ns, counts[ns], len(contents[ns]), samples[ns]) for ns in sorted(counts)
+    )
     return NamespaceSummary(rows, other)
 
 
@@ -131,7 +146,7 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
     if list_keys:
         try:
             keys = master_keys(pool.metrics_url, timeout=5 * timeout)
-            namespaces = namespace_counts(keys)
+            namespaces = _with_bytes(namespace_counts(keys), pool.metrics_url, timeout)
         except StoreUnavailable as exc:
             log.info("cannot list keys: %s", exc)
 
@@ -161,6 +176,19 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         evicted_bytes=gauge("master_evicted_size_bytes"),
         refused_puts=gauge("master_put_start_alloc_failures_total"),
     )
+
+
+def _with_bytes(summary: NamespaceSummary, metrics_url: str, timeout: float) -> NamespaceSummary:
+    """Each row's bytes: its keys x its sample's size (one master request per row)."""
+    rows = []
+    for row in summary.rows:
+        try:
+            size = key_bytes(metrics_url, [row.sample], timeout)
+        except StoreUnavailable as exc:
+            log.info("cannot size %s: %s", row.sample, exc)
+            size = 0
+        rows.append(replace(row, bytes=size * row.keys if size else None))
+    return replace(summary, rows=tuple(rows))
 
 
 def _keys_per_host(metrics_url: str, keys: list[str], timeout: float) -> tuple[dict[str, int], int]:

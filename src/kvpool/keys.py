@@ -13,6 +13,8 @@
     parse_key(s)              the inverse of ``key``; ``format(parse_key(s)) == s``
     KeySpace.prefix           the prefix every key of this space starts with
     dp_index_of(cfg)          an engine's DP identity from vLLM's parallel config
+    default_instance(space)   the lookup endpoint's name where the setting leaves it
+                              empty: the fingerprint's start, and the tenant's
     lookup_endpoint(...)      the lookup socket of one DP engine
 
 A key reads, left to right (``/`` separated)::
@@ -65,6 +67,7 @@ __all__ = [
     "KeySpace",
     "ParsedKey",
     "check_tenant",
+    "default_instance",
     "dp_index_of",
     "lookup_endpoint",
     "parse_key",
@@ -282,6 +285,16 @@ def dp_index_of(parallel_config: _ParallelConfig | Any) -> int:
 
 
 _INSTANCE_RE = re.compile(r"[A-Za-z0-9_.-]{1,40}")
+
+
+def default_instance(space: KeySpace) -> str:
+    """The lookup endpoint's name of an engine whose ``instance`` setting is empty:
+    the fingerprint's first 12 digits, and a digest of the tenant, so engines of one
+    model and config in two tenants on one host get two endpoints."""
+    name = space.fingerprint[:12]
+    if space.tenant:
+        name += "-" + hashlib.sha256(space.tenant.encode()).hexdigest()[:8]
+    return name
 
 
 def lookup_endpoint(run_dir: str, instance: str, dp_index: int) -> str:

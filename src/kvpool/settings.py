@@ -75,10 +75,11 @@ class ConnectorSettings:
         "",
         "The engine's tenant: its objects are named in that tenant's space, and engines "
         "of other tenants never read them (vLLM's per-request cache_salt still splits "
-        "inside one). Empty: $KVPOOL_TENANT, else no tenant.",
+        "inside one). Empty: $KVPOOL_TENANT, else no tenant (every process of the engine "
+        "must see the same: on other nodes set it there too).",
     )
     instance: str = documented(
-        "", "Names the lookup endpoint; empty = from the engine's config fingerprint."
+        "", "Names the lookup endpoint; empty = from the engine's config fingerprint and tenant."
     )
     load_mode: Literal["auto", "direct", "staged"] = documented(
         "auto",

@@ -376,7 +376,7 @@ def test_a_holders_host_cut_off_in_the_middle_of_a_load_from_it_costs_misses_onl
         batch tests the pool after the fault: it starts once that get returned."""
         log = tmp_path / "host3.log"
         if "had no answer after" in log.read_text():
-            returned = "given up at its deadline returned"
+            returned = "a get of a load given up returned"
             assert wait_until(lambda: returned in log.read_text(), timeout=60)
 
     before, during, after = _three_batches(hosts, host1_file, tiny_model, tmp_path, families,

@@ -171,3 +171,11 @@ def test_a_bad_tenant_name_says_what_a_name_may_hold(bad: str) -> None:
 def test_parse_refuses_a_bad_tenant_part(bad: str) -> None:
     with pytest.raises(KeyFormatError):
         parse_key(bad)
+
+
+def test_engines_of_one_config_in_two_tenants_get_two_lookup_endpoints() -> None:
+    none, a, b = make_space(), make_space(tenant="team-a"), make_space(tenant="team-b")
+    names = {keys.default_instance(s) for s in (none, a, b)}
+    assert len(names) == 3 and keys.default_instance(none) == none.fingerprint[:12]
+    for name in names:  # each a valid endpoint name
+        keys.lookup_endpoint("/tmp/k", name, 0)

@@ -214,3 +214,19 @@ def test_keys_per_host_are_counted_exactly_or_scaled_from_a_sample(
     assert 700 < counts["10.0.0.1"] < 1500  # ~1111 of 3000 sort below "k2"
     counts, sampled = status_mod._keys_per_host("http://x", keys[:10], 1.0)
     assert sampled == 10 and counts == {"10.0.0.1": 2, "10.0.0.2": 10}  # "k0", "k1": exact
+
+
+def test_namespace_bytes_add_each_content_ids_keys_times_its_objects_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Layer bands of unequal size: each content id is sized on its own."""
+    from kvpool.pool import status
+
+    band = "kvpool/1/org/llama/0123456789abcdef/g0.h0.d0.c0.b{b}/{n:02x}"
+    keys = [band.format(b=0, n=n) for n in range(3)] + [band.format(b=1, n=n) for n in range(5)]
+    sizes = {0: 1000, 1: 700}  # band 1 holds fewer layers
+    monkeypatch.setattr(
+        status, "key_bytes", lambda url, ks, timeout: sizes[int(ks[0].split(".b")[1][0])]
+    )
+    summary = status._with_bytes(namespace_counts(keys), "http://127.0.0.1:1", 1.0)
+    assert [(r.keys, r.bytes) for r in summary.rows] == [(8, 3 * 1000 + 5 * 700)]

@@ -815,6 +815,26 @@ def test_a_put_that_raises_fails_its_piece_and_still_frees_every_piece() -> None
     e.close()
 
 
+def test_pinned_saves_reach_a_store_without_pins_unpinned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store of another package whose batch_put takes no pin_ms stores pinned
+    saves unpinned (one warning), never failing them; pins reach one that does."""
+
+    class NoPins(MemoryStore):
+        def batch_put(self, keys, segments):  # type: ignore[no-untyped-def,override]
+            return super().batch_put(keys, segments)
+
+    src = cpu_layers(2)
+    for store, pinned in ((NoPins(capacity=1 << 28), False), (MemoryStore(1 << 28), True)):
+        e = TransferEngine(store, [src], NB, staging_bytes=SMALL_STAGING)
+        chunks = [ChunkRef(f"p{i}", 0, i, (i,), pin_ms=60_000) for i in range(4)]
+        assert e.submit_save("s", chunks) and e.wait(["s"], timeout=30)[0].ok
+        assert [store.pinned(c.key) for c in chunks] == [pinned] * 4
+        e.close()
+    assert caplog.text.count("NoPins.batch_put takes no pin_ms") == 1
+
+
 def test_a_staging_step_that_raises_refuses_the_rest_and_never_hangs_the_put_thread(
     store: KVStore,
 ) -> None:

@@ -139,6 +139,11 @@ class _TimedStore(KVStore):
     def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         return self.inner.batch_put(keys, segments)
 
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
+        return self.inner.batch_put(keys, segments, pin_ms)
+
     def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
         return self.inner.batch_get(keys, segments)
 

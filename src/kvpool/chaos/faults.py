@@ -41,6 +41,12 @@ class SlowPutStore(MooncakeStore):
         time.sleep(float(os.environ.get("KVPOOL_CHAOS_PUT_DELAY_S", "5")))  # the fault
         return super()._put(keys, segments)
 
+    def _put_pinned(
+        self, keys: Sequence[str], segments: Sequence[Segments], pin_ms: int
+    ) -> list[Status]:
+        time.sleep(float(os.environ.get("KVPOOL_CHAOS_PUT_DELAY_S", "5")))  # the fault
+        return super()._put_pinned(keys, segments, pin_ms)
+
 
 class SlowExistsStore(MooncakeStore):
     def _exists(self, keys: Sequence[str]) -> list[Status]:

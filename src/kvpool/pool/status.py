@@ -22,6 +22,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
@@ -39,6 +40,7 @@ __all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts
 log = logging.getLogger(__name__)
 
 KEY_SAMPLE = 1000  # keys whose host status asks, at most (one HTTP request each)
+SIZE_SAMPLE = 64  # content ids per namespace row whose object size status asks, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,10 +54,9 @@ class NamespaceCount:
     group: int
     keys: int
     contents: int  # distinct content ids (head slot, dcp, pcp, pp) among those keys
-    sample: str = ""  # one of those keys
-    # keys x the sample's size (objects of one KV group of one namespace are all one
-    # size); None when the master did not say
-    bytes: int | None = None
+    # (a key, how many keys) per content id: objects of one content are one size
+    samples: tuple[tuple[str, int], ...] = ()
+    bytes: int | None = None  # from the samples' sizes; None when the master did not say
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
     """Group ``keys`` by (tenant, model, fingerprint, KV group) with ``keys.parse_key``."""
     counts: Counter[tuple[str, str, str, int]] = Counter()
     contents: dict[tuple[str, str, str, int], set[tuple[int, int, int, int]]] = {}
-    samples: dict[tuple[str, str, str, int], str] = {}
+    samples: dict[tuple[str, str, str, int], dict[tuple[int, int, int, int], list[Any]]] = {}
     other = 0
     for key in keys:
         try:
@@ -81,10 +82,14 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
         c = k.content
         ns = (k.tenant, k.model, k.fingerprint, c.group)
         counts[ns] += 1
-        contents.setdefault(ns, set()).add((c.head, c.dcp_rank, c.pcp_rank, c.band))
-        samples.setdefault(ns, key)
+        content = (c.head, c.dcp_rank, c.pcp_rank, c.band)
+        contents.setdefault(ns, set()).add(content)
+        samples.setdefault(ns, {}).setdefault(content, [key, 0])[1] += 1
     rows = tuple(
-        NamespaceCount(*ns, counts[ns], len(contents[ns]), samples[ns]) for ns in sorted(counts)
+        NamespaceCount(
+            *ns, counts[ns], len(contents[ns]), tuple((k, n) for k, n in samples[ns].values())
+        )
+        for ns in sorted(counts)
     )
     return NamespaceSummary(rows, other)
 
@@ -179,15 +184,23 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
 
 
 def _with_bytes(summary: NamespaceSummary, metrics_url: str, timeout: float) -> NamespaceSummary:
-    """Each row's bytes: its keys x its sample's size (one master request per row)."""
+    """Each row's bytes: per content id, its keys x one key's size (a content's
+    objects are one size; layer bands or head groups may differ). One master
+    request per content, ``SIZE_SAMPLE`` at most per row: beyond, scaled."""
     rows = []
     for row in summary.rows:
+        sampled = row.samples[:SIZE_SAMPLE]
         try:
-            size = key_bytes(metrics_url, [row.sample], timeout)
+            sizes = [key_bytes(metrics_url, [key], timeout) for key, _ in sampled]
         except StoreUnavailable as exc:
-            log.info("cannot size %s: %s", row.sample, exc)
-            size = 0
-        rows.append(replace(row, bytes=size * row.keys if size else None))
+            log.info("cannot size the objects of %s: %s", row.model, exc)
+            sizes = []
+        if not sizes or not all(sizes):  # gone meanwhile, or no answer: unknown
+            rows.append(row)
+            continue
+        total = sum(size * n for size, (_, n) in zip(sizes, sampled, strict=True))
+        keys = sum(n for _, n in sampled)
+        rows.append(replace(row, bytes=total * row.keys // keys))
     return replace(summary, rows=tuple(rows))
 
 

@@ -161,7 +161,7 @@ class Loads:
             )
             if late and piece.get_s:  # the store held this client until now
                 logger.info(
-                    "load %r: a get given up at its deadline returned after %.1f s; "
+                    "load %r: a get of a load given up returned after %.1f s; "
                     "its bytes are dropped",
                     job.job_id,
                     piece.get_s,

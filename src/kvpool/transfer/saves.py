@@ -88,6 +88,7 @@ class Saves:
         self.backlog = backlog  # save jobs queued now
         self.arena = arena
         self.budget = budget
+        self._pins_taken = True  # the store's batch_put takes pin_ms (until it says not)
         self.wait_s = wait_s
         self.zero_copy = zero_copy
         self.stuck = False  # a wait saw no put free staging: refuse at once
@@ -287,8 +288,20 @@ class Saves:
         store = self.core.store
 
         def put(ks: list[str], ss: Sequence[Segments], pin: int) -> list[Status]:
-            # No pin: the two-argument call every store takes.
-            return store.batch_put(ks, ss, pin_ms=pin) if pin else store.batch_put(ks, ss)
+            # No pin: the two-argument call every store takes; a store of another
+            # package whose batch_put takes no pin stores unpinned (said once).
+            if pin and self._pins_taken:
+                try:
+                    return store.batch_put(ks, ss, pin_ms=pin)
+                except TypeError as exc:
+                    if "pin_ms" not in str(exc):
+                        raise
+                    self._pins_taken = False
+                    logger.warning(
+                        "kvpool: %s.batch_put takes no pin_ms: pinned saves go unpinned",
+                        type(store).__name__,
+                    )
+            return store.batch_put(ks, ss)
 
         try:
             if len(set(pins)) <= 1:

@@ -63,7 +63,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
-from kvpool.keys import lookup_endpoint
+from kvpool.keys import default_instance, lookup_endpoint
 from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store import open_store
 from kvpool.store.base import KVStore
@@ -154,7 +154,13 @@ def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
         )
         inner = open_store(settings.store, pool, shared_memory=shm)
         path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
-        logger.info("kvpool: worker moves KV to the pool at %s over %s", pool.master_address, path)
+        tenant = identity.space.tenant
+        logger.info(
+            "kvpool: worker moves KV to the pool at %s over %s%s",
+            pool.master_address,
+            path,
+            f" (tenant {tenant})" if tenant else "",
+        )
         return FramedStore(
             inner, identity.space.fingerprint, checksum=pool.checksum, secret=pool.secret
         )
@@ -246,7 +252,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
         run_dir = settings.run_dir or os.path.join(tempfile.gettempdir(), f"kvpool-{os.getuid()}")
         private_dir(run_dir)
-        instance = settings.instance or identity.space.fingerprint[:12]
+        instance = settings.instance or default_instance(identity.space)
         endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
         store = open_store(settings.store, pool)
         self._closers.append(store.close)

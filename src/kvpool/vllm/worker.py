@@ -393,7 +393,7 @@ class WorkerSide:
         if idle:
             if self.engine is not None and (self._loads or self._book.has_finishing):
                 self.engine.wait_any(IDLE_WAIT_S)
-            else:
+            elif not done and not self._early:  # nothing to report: no reason to hurry
                 time.sleep(IDLE_WAIT_S)
         results, self._early = self._early, []
         results += self.engine.poll() if self.engine is not None else []

@@ -101,14 +101,12 @@ def chunk_hashes(n: int, seed: bytes = b"kvpool-plan") -> list[bytes]:
     return out
 
 
-def probe_keys(
-    layout: Layout, space: KeySpace, hashes: Sequence[bytes | str]
-) -> list[tuple[str, ...]]:
+def probe_keys(layout: Layout, space: KeySpace, hashes: Sequence[bytes]) -> list[tuple[str, ...]]:
     """For each chunk hash, the keys a lookup must find: one per distinct content
-    of every group (``chunks.ChunkObjects``). These are exactly the keys the ranks
-    read (``Layout.holdings``)."""
+    of every group (``chunks.ChunkObjects.keys``). These are exactly the keys the
+    ranks read (``Layout.holdings``)."""
     objects = ChunkObjects.of(layout, space)
-    return [tuple(space.key(c, h) for c in objects.contents) for h in hashes]
+    return [objects.keys(h) for h in hashes]
 
 
 def build_plan(layout: Layout, space: KeySpace, chunks: int) -> Plan:

@@ -511,13 +511,21 @@ def test_a_bug_below_the_server_is_an_internal_error_and_it_keeps_serving(
     ],
     ids=str,
 )
-def test_the_server_probes_exactly_the_keys_of_probe_keys(endpoint: str, layout: Layout) -> None:
+def test_an_exact_server_probes_the_keys_of_probe_keys(endpoint: str, layout: Layout) -> None:
     space = space_of(layout)
-    server = LookupServer(endpoint, MemoryStore(), layout, space, CHUNK)
+    """An exact server probes, chunk by chunk, probe_keys' keys of the groups a hit
+    needs at every chunk: all of them where every group is full attention."""
+    server = LookupServer(endpoint, MemoryStore(), layout, space, CHUNK, exact=True)
     hashes = [*chunk_hashes(5), b"\x00", b"\xff" * 64]
-    expected = [k for ks in probe_keys(layout, space, hashes) for k in ks]
-    assert server._keys(hashes) == expected
-    assert sorted(set(server._keys(hashes[:1]))) == read_keys(layout, space, hashes[0])
+    got = server._probe_keys(range(len(hashes)), hashes.__getitem__)
+    per_chunk = len(got) // len(hashes)
+    wanted = probe_keys(layout, space, hashes)
+    for i, keys in enumerate(wanted):
+        probed = got[i * per_chunk : (i + 1) * per_chunk]
+        assert set(probed) <= set(keys) and len(set(probed)) == per_chunk
+        if all(g.every_chunk for g in layout.groups):
+            assert probed == list(keys)
+            assert sorted(probed) == read_keys(layout, space, hashes[i])
 
 
 def _raw_peer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> zmq.Socket[bytes]:

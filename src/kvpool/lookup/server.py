@@ -127,7 +127,6 @@ class LookupServer:
         # groups the last chunk's state (``GroupSpec.needed_chunks``). Exact mode
         # probes every head of a chunk, the search one per slice class (rotating).
         objects = ChunkObjects.of(layout, space)
-        self._templates = objects.templates
         self._full = objects.full
         self._windowed = objects.windowed
         self._states = objects.states
@@ -341,14 +340,8 @@ class LookupServer:
         """Chunk-major keys a search round asks for: every full-attention key of each
         chunk in exact mode; else, per slice class, head ``chunk % heads``."""
         if self.exact:
-            return self._keys([hash_of(i) for i in chunks], self._full)
+            return [t + hash_of(i).hex() for i in chunks for t in self._full]
         return [ts[i % len(ts)] + hash_of(i).hex() for i in chunks for ts in self._classes]
-
-    def _keys(self, hashes: Sequence[bytes], templates: Sequence[str] | None = None) -> list[str]:
-        """Chunk-major keys of ``hashes`` under ``templates`` (default: all, what
-        ``chunks.ChunkObjects.keys`` gives, flattened)."""
-        templates = self._templates if templates is None else templates
-        return [t + h.hex() for h in hashes for t in templates]
 
     def _reset(self, req: wire.ResetRequest) -> wire.Reply:
         prefix = self.space.prefix

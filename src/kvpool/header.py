@@ -1,6 +1,7 @@
 """The 64-byte header at the start of every stored object, and its checks.
 
-    pack(fp, key, n, checksum)     header bytes for an ``n``-byte payload of ``key``
+    pack(fp, key, n, checksum, written_ms=0)
+                                   header bytes for an ``n``-byte payload of ``key``
     pack_into(buf, off, ...)       the same, written into a buffer (no allocation)
     unpack(buf) -> Header          parse; raises ``HeaderError`` only if too short
     check(h, fp, key, n, cs)       None if ``h`` describes this object, else the
@@ -16,6 +17,8 @@
                                    bytes and verdicts as ``pack``/``check``;
                                    ``sign_rows``/``signatures`` sign and re-sign them
     fingerprint_bytes(fp)          a ``KeySpace.fingerprint`` (16 hex) as 8 bytes
+    written_at(buf, fp, key)       when the object whose header is ``buf`` was
+                                   written (ms since the epoch), None if unknown
 
 Layout (little-endian, offsets in bytes)::
 
@@ -29,10 +32,13 @@ Layout (little-endian, offsets in bytes)::
     40  signature    16s  with bit 1: HMAC-SHA256 under the pool secret, cut to
                           16 bytes, of bytes 0-39, the key and the payload (never
                           16 zero bytes: those read as a flipped flag); else zero
-    56  reserved     8s   zero
+    56  written      u64  when the writer framed the object: ms since the Unix
+                          epoch on its wall clock; 0 if it did not say
 
 A header that fails ``check`` means the bytes are not this object: the reader
-treats it as a miss, never loads it. Pure: no I/O; reading memory at an
+treats it as a miss, never loads it. The write time is advisory (for ``kvpool
+status`` and ``kvpool purge --older-than``): it is neither checked nor signed,
+and a host with a wrong clock writes wrong times, never wrong KV. Pure: no I/O; reading memory at an
 address is the only unsafe thing here, and only the checksum functions do it.
 
 Signatures (``PoolConfig.pool_secret``): Mooncake has no authentication, so
@@ -93,20 +99,19 @@ __all__ = [
     "payload_checksum",
     "payload_signature",
     "unpack",
+    "written_at",
 ]
 
 MAGIC = b"KVPL"
-FORMAT_VERSION = OBJECT_FORMAT  # 2: the checksum is xxh3-64 (1: wsum64)
+FORMAT_VERSION = OBJECT_FORMAT  # 3: a write time (2: xxh3-64 checksums; 1: wsum64)
 FLAG_CHECKSUM = 0x0001
 FLAG_SIGNED = 0x0002
 _KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_SIGNED
-_STRUCT = struct.Struct("<4sHH8sQQQ24s")
+_STRUCT = struct.Struct("<4sHH8sQQQ16sQ")
 HEADER_SIZE = _STRUCT.size  # 64
 SIGNED_BYTES = 40  # the header bytes a signature covers: all before it
 SIGNATURE_SIZE = 16
-_ZERO = bytes(24)
 _ZERO_SIG = bytes(SIGNATURE_SIZE)
-_ZERO_TAIL = bytes(24 - SIGNATURE_SIZE)
 _FLAGS = struct.Struct("<H")
 _FLAGS_AT = 6
 _FP_LEN = 8
@@ -118,7 +123,7 @@ class CheckFailure(enum.Enum):
     MAGIC = "bad magic: not a kvpool object"
     VERSION = "unsupported header format version"
     FLAGS = "unknown or inconsistent header flags"
-    RESERVED = "reserved header bytes are not zero"
+    RESERVED = "signature bytes set without the signed flag"
     FINGERPRINT = "written under another config fingerprint"
     KEY = "written for another key"
     LENGTH = "payload length differs from the expected length"
@@ -151,7 +156,8 @@ class Header:
     flags: int = 0
     version: int = FORMAT_VERSION
     magic: bytes = MAGIC
-    reserved: bytes = _ZERO
+    signature: bytes = _ZERO_SIG  # 16 bytes, zero when unsigned
+    written_ms: int = 0  # ms since the epoch at the writer; 0: not said
 
     @property
     def has_checksum(self) -> bool:
@@ -160,11 +166,6 @@ class Header:
     @property
     def signed(self) -> bool:
         return bool(self.flags & FLAG_SIGNED)
-
-    @property
-    def signature(self) -> bytes:
-        """The 16 signature bytes (zero when unsigned)."""
-        return self.reserved[:SIGNATURE_SIZE]
 
 
 def fingerprint_bytes(fingerprint: str | bytes) -> bytes:
@@ -248,14 +249,16 @@ def batch_checksums(payloads: Iterable[Sequence[tuple[int, int]]]) -> list[int]:
 
 
 def _fields(
-    fingerprint: bytes, key: str, payload_len: int, checksum: int | None
-) -> tuple[bytes, int, int, bytes, int, int, int, bytes]:
+    fingerprint: bytes, key: str, payload_len: int, checksum: int | None, written_ms: int
+) -> tuple[bytes, int, int, bytes, int, int, int, bytes, int]:
     if len(fingerprint) != _FP_LEN:
         raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
     if not 0 <= payload_len < 1 << 64:
         raise ValueError(f"payload_len must be in [0, 2**64), got {payload_len}")
     if checksum is not None and not 0 <= checksum < 1 << 64:
         raise ValueError(f"checksum must be in [0, 2**64), got {checksum}")
+    if not 0 <= written_ms < 1 << 64:
+        raise ValueError(f"written_ms must be in [0, 2**64), got {written_ms}")
     flags = 0 if checksum is None else FLAG_CHECKSUM
     return (
         MAGIC,
@@ -265,13 +268,20 @@ def _fields(
         key_digest(key),
         payload_len,
         checksum or 0,
-        _ZERO,
+        _ZERO_SIG,
+        written_ms,
     )
 
 
-def pack(fingerprint: bytes, key: str, payload_len: int, checksum: int | None = None) -> bytes:
+def pack(
+    fingerprint: bytes,
+    key: str,
+    payload_len: int,
+    checksum: int | None = None,
+    written_ms: int = 0,
+) -> bytes:
     """The header of a ``payload_len``-byte payload of ``key``; no checksum if None."""
-    return _STRUCT.pack(*_fields(fingerprint, key, payload_len, checksum))
+    return _STRUCT.pack(*_fields(fingerprint, key, payload_len, checksum, written_ms))
 
 
 def pack_into(
@@ -281,9 +291,10 @@ def pack_into(
     key: str,
     payload_len: int,
     checksum: int | None = None,
+    written_ms: int = 0,
 ) -> None:
     """``pack`` written into ``buffer[offset:offset + HEADER_SIZE]``."""
-    _STRUCT.pack_into(buffer, offset, *_fields(fingerprint, key, payload_len, checksum))
+    _STRUCT.pack_into(buffer, offset, *_fields(fingerprint, key, payload_len, checksum, written_ms))
 
 
 def unpack(buffer: bytes | bytearray | memoryview, offset: int = 0) -> Header:
@@ -295,10 +306,22 @@ def unpack(buffer: bytes | bytearray | memoryview, offset: int = 0) -> Header:
         raise HeaderError(
             f"an object header is {HEADER_SIZE} bytes, got {max(0, len(buffer) - offset)}"
         )
-    magic, version, flags, fp, digest, length, checksum, reserved = _STRUCT.unpack_from(
+    magic, version, flags, fp, digest, length, checksum, sig, written = _STRUCT.unpack_from(
         buffer, offset
     )
-    return Header(fp, digest, length, checksum, flags, version, magic, reserved)
+    return Header(fp, digest, length, checksum, flags, version, magic, sig, written)
+
+
+def written_at(buffer: bytes | bytearray | memoryview, fingerprint: bytes, key: str) -> int | None:
+    """When the object of ``key`` whose first bytes are ``buffer`` was written (ms since
+    the epoch, the writer's clock); None unless the header is one of this format for
+    this key and fingerprint and carries a time. Reads only the header: the payload
+    is not checked."""
+    if len(buffer) < HEADER_SIZE:
+        return None
+    h = unpack(buffer)
+    ok = h.magic == MAGIC and h.version == FORMAT_VERSION and h.fingerprint == fingerprint
+    return h.written_ms if ok and h.key_digest == key_digest(key) and h.written_ms else None
 
 
 def check(
@@ -326,9 +349,7 @@ def check(
         return CheckFailure.FLAGS
     if header.signed and header.signature == _ZERO_SIG:
         return CheckFailure.FLAGS  # a signature of 16 zero bytes: the flag alone flipped
-    if header.reserved[SIGNATURE_SIZE:] != _ZERO_TAIL or (
-        not header.signed and header.signature != _ZERO_SIG
-    ):
+    if not header.signed and header.signature != _ZERO_SIG:
         return CheckFailure.RESERVED
     if header.fingerprint != fingerprint:
         return CheckFailure.FINGERPRINT
@@ -369,19 +390,21 @@ class HeaderTable:
         keys: Sequence[str],
         lengths: Sequence[int],
         checksums: Sequence[int] | None,
+        written_ms: int = 0,
     ) -> None:
-        """``pack(fingerprint, keys[i], lengths[i], checksums[i])`` into row ``rows[i]``."""
+        """``pack(fingerprint, keys[i], lengths[i], checksums[i], written_ms)`` into
+        row ``rows[i]``."""
         if len(fingerprint) != _FP_LEN:
             raise ValueError(f"fingerprint must be 8 bytes, got {len(fingerprint)}")
         put, view, stride, digest = _STRUCT.pack_into, self._view, self._stride, _DIGEST
         if checksums is None:
             for row, key, n in zip(rows, keys, lengths, strict=True):
                 put(view, row * stride, MAGIC, FORMAT_VERSION, 0, fingerprint,
-                    digest(key.encode()), n, 0, _ZERO)  # fmt: skip
+                    digest(key.encode()), n, 0, _ZERO_SIG, written_ms)  # fmt: skip
         else:
             for row, key, n, cs in zip(rows, keys, lengths, checksums, strict=True):
                 put(view, row * stride, MAGIC, FORMAT_VERSION, FLAG_CHECKSUM, fingerprint,
-                    digest(key.encode()), n, cs, _ZERO)  # fmt: skip
+                    digest(key.encode()), n, cs, _ZERO_SIG, written_ms)  # fmt: skip
 
     def valid_rows(
         self,
@@ -395,24 +418,22 @@ class HeaderTable:
         """Per row: would ``check(unpack(row), fingerprint, keys[i], lengths[i],
         checksums[i], signatures[i])`` return None? (None: not compared.)"""
         get, view, stride, digest = _STRUCT.unpack_from, self._view, self._stride, _DIGEST
-        cut, tail, zero_sig = SIGNATURE_SIZE, _ZERO_TAIL, _ZERO_SIG
+        zero_sig = _ZERO_SIG
         out = []
         for i, (row, key, n) in enumerate(zip(rows, keys, lengths, strict=True)):
-            magic, version, flags, fp, dig, length, cs, reserved = get(view, row * stride)
+            magic, version, flags, fp, dig, length, cs, sig, _ = get(view, row * stride)
             signed, plain = flags & FLAG_SIGNED, flags & ~FLAG_SIGNED
             out.append(
                 magic == MAGIC
                 and version == FORMAT_VERSION
                 and (plain == FLAG_CHECKSUM or (plain == 0 and cs == 0))
-                and reserved[cut:] == tail
-                and (reserved[:cut] != zero_sig if signed else reserved[:cut] == zero_sig)
+                and (sig != zero_sig if signed else sig == zero_sig)
                 and fp == fingerprint
                 and length == n
                 and (checksums is None or (plain == FLAG_CHECKSUM and cs == checksums[i]))
                 and dig == digest(key.encode())
                 and (
-                    signatures is None
-                    or (bool(signed) and hmac.compare_digest(reserved[:cut], signatures[i]))
+                    signatures is None or (bool(signed) and hmac.compare_digest(sig, signatures[i]))
                 )
             )
         return out

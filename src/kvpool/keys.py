@@ -81,8 +81,9 @@ SCHEMA_VERSION = 4
 CHUNK_HASH = "kvpool-sha256-1"
 # The format of stored objects (``kvpool.header.FORMAT_VERSION``). It is part of
 # every fingerprint, so engines of different formats use different keys: an object
-# of another format is a miss, never read (and removed) as corrupt.
-OBJECT_FORMAT = 2
+# of another format is a miss, never read (and removed) as corrupt. 3: the header
+# carries the time the object was written (``kvpool status``, ``purge --older-than``).
+OBJECT_FORMAT = 3
 _ROOT = "kvpool"
 _FP_HEX = 16  # 64 bits of sha256 over the canonical config
 _SAFE = "/:@._-+=~,"

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tests.factories import key_space
 
 from kvpool.pool import HOLDER_BINARY, MASTER_BINARY, LocalPool, is_mooncake_process
 from kvpool.store.base import Status
@@ -256,12 +257,59 @@ def test_up_with_a_secret_keeps_it_in_an_owner_only_pool_file(
     assert "not-hex" not in bad.stderr and not joining.pool_file.exists()
 
 
+def test_status_shows_the_oldest_objects_age_and_purge_removes_objects_older_than(
+    home: Home,
+) -> None:
+    """Objects written through the real writer (``FramedStore`` on Mooncake) carry
+    their write time: ``kvpool status`` shows the oldest object's age, and ``kvpool
+    purge --older-than`` removes those written before the cutoff and nothing else
+    (newer objects, a key that is not kvpool's)."""
+    import time
+
+    from kvpool.layout import Layout
+    from kvpool.pool import LocalPool, master_keys
+    from kvpool.store.framed import FramedStore
+    from kvpool.store.mooncake import MooncakeStore
+
+    home.up()
+    pool = LocalPool.attach(home.pool_file)
+    layout = Layout.create(groups=["gqa:2"])
+    space = key_space(layout, "org/a")  # fmt: skip
+    old = [space.key(c, bytes([n]) * 8) for c in layout.holdings(0, 0) for n in range(3)]
+    new = [space.key(c, bytes([n]) * 8) for c in layout.holdings(0, 0) for n in range(3, 6)]
+    buf = bytearray(4096)
+    seg = [(ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)), len(buf))]
+    two_hours_ago = time.time() - 7200
+    with MooncakeStore(pool.config()) as store:
+        then = FramedStore(store, space.fingerprint, clock=lambda: two_hours_ago)
+        assert then.batch_put(old, [seg] * len(old)) == [Status.OK] * len(old)
+        now = FramedStore(store, space.fingerprint)
+        assert now.batch_put(new, [seg] * len(new)) == [Status.OK] * len(new)
+        assert store.batch_put(["someone-else/object"], [seg]) == [Status.OK]
+    js = json.loads(home.kvpool("status", "--json").stdout)
+    assert js["ages_sampled"] == len(old) + len(new)
+    assert 7200 <= js["oldest_object_age_s"] < 7200 + 60
+    shown = home.kvpool("status")
+    assert "oldest" in shown.stdout and "written 2.0 h ago" in shown.stdout, shown.stdout
+
+    dry = home.kvpool("purge", "--older-than", "1h", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert f"would remove {len(old)} objects of any tenant or model written over" in dry.stdout
+    r = home.kvpool("purge", "--older-than", "1h")
+    assert r.returncode == 0, r.stderr
+    assert f"removed {len(old)} objects" in r.stdout
+    assert set(master_keys(pool.metrics_url)) == {*new, "someone-else/object"}
+    r = home.kvpool("purge", "--model", "org/a", "--older-than", "1h")
+    assert r.returncode == 0 and "no object of model org/a written over 1.0 h ago" in r.stdout
+    bad = home.kvpool("purge", "--older-than", "2 weeks")
+    assert bad.returncode == 2 and "a duration is a number and a unit" in bad.stderr
+
+
 def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: Home) -> None:
     """kvpool purge: a dry run counts, a real one removes the model's objects only
     (another model's, another tenant's, and keys that are not kvpool's, stay), while
     an engine-like reader holds a lease on one of them (removed once the lease
     ends); ``--tenant`` then removes one tenant's objects only."""
-    from kvpool.keys import KeySpace
     from kvpool.layout import Layout
     from kvpool.pool import LocalPool, master_keys
     from kvpool.store.mooncake import MooncakeStore
@@ -270,8 +318,7 @@ def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: 
     pool = LocalPool.attach(home.pool_file)
     layout = Layout.create(groups=["gqa:2"])
     spaces = {
-        name: KeySpace.create(model=m, layout=layout, kv_dtype="f32", model_dtype="f32",
-                              chunk_size=32, head_size=64, num_layers=2, tenant=t)
+        name: key_space(layout, m, tenant=t)
         for name, m, t in (("org/a", "org/a", ""), ("org/b", "org/b", ""),
                            ("team-t", "org/b", "team-t"))
     }  # fmt: skip
@@ -311,6 +358,6 @@ def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: 
     assert "removed 10 objects of tenant team-t" in r.stdout
     assert set(master_keys(pool.metrics_url)) == {*keys["org/b"], "someone-else/object"}
     bad = home.kvpool("purge")
-    assert bad.returncode == 2 and "--tenant, --model and/or --fingerprint, or --all" in bad.stderr
+    assert bad.returncode == 2 and "--fingerprint and/or --older-than, or --all" in bad.stderr
     bad = home.kvpool("purge", "--tenant", "_t")
     assert bad.returncode == 2 and "tenant name '_t' must be 1-64 letters" in bad.stderr

@@ -46,6 +46,9 @@ def test_a_pool_filled_four_times_over_keeps_admitting_and_keeps_what_is_read(
         try:
             assert engine.submit_save("hot", _prompt("hot"))
             assert engine.wait(["hot"], timeout=60)[0].ok
+            # The control: written with it, never read.
+            assert engine.submit_save("cold", _prompt("cold"))
+            assert engine.wait(["cold"], timeout=60)[0].ok
             names = [f"p{i:02d}" for i in range(4 * POOL // (CHUNKS * 128 << 10))]
             for i, name in enumerate(names):
                 assert engine.submit_save(name, _prompt(name)), name
@@ -62,6 +65,8 @@ def test_a_pool_filled_four_times_over_keeps_admitting_and_keeps_what_is_read(
         # ahead of the puts (under CI load it did, every time): counted, not required.
         assert not stats.failures and stats.backpressure_events == 0
         assert _present(store, "hot") == "x" * CHUNKS  # read: kept
+        assert _present(store, "cold") != "x" * CHUNKS  # never read: evicted (Mooncake's
+        # eviction takes the objects whose read lease ended first: reads count)
         for name in names[-8:]:  # the newest prompts: whole
             assert _present(store, name) == "x" * CHUNKS, name
         # Prompts that lost objects lost their end: what is left is a prefix.

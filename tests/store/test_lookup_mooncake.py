@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
+from tests.factories import key_space
 
 from kvpool.keys import KeySpace, lookup_endpoint
 from kvpool.layout import Layout
@@ -32,15 +33,7 @@ _EXISTS_RPCS = "master_batch_exist_key_requests_total"
 
 
 def space_of(layout: Layout) -> KeySpace:
-    return KeySpace.create(
-        model="org/lookup-store-test",
-        layout=layout,
-        kv_dtype="bfloat16",
-        model_dtype="bfloat16",
-        chunk_size=CHUNK,
-        head_size=64,
-        num_layers=2,
-    )
+    return key_space(layout, "org/lookup-store-test", dtype="bfloat16", chunk_size=CHUNK)
 
 
 def read_keys(layout: Layout, space: KeySpace, chunk_hash: bytes) -> list[str]:

@@ -8,11 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tests.factories import wait_until
 
 from kvpool.config import load_config
 from kvpool.errors import ConfigError, KVPoolError, StoreMissingDependency, StoreUnavailable
@@ -39,15 +39,6 @@ def _gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def _wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
 
 
 def test_pool_starts_healthy_and_stops_reaped(pool_factory: PoolFactory) -> None:
@@ -116,7 +107,9 @@ def test_kill_and_restart_holder(local_pool: LocalPool) -> None:
     assert local_pool.holder_running() and local_pool.holder_pid != old_pid
     assert set(segment_capacities(local_pool.metrics())) - old_segments
     # the killed holder's segment is dropped once client_ttl (2 s) has passed
-    assert _wait_until(lambda: not old_segments & set(segment_capacities(local_pool.metrics())))
+    assert wait_until(
+        lambda: not old_segments & set(segment_capacities(local_pool.metrics())), 10.0
+    )
 
 
 def test_pool_file_round_trip(local_pool: LocalPool, tmp_path: Path) -> None:
@@ -146,7 +139,7 @@ def test_pool_file_round_trip(local_pool: LocalPool, tmp_path: Path) -> None:
     assert len(status.segments) == 1
 
     attached.stop()  # signals the verified PIDs; the fixture then reaps them
-    assert _wait_until(lambda: not local_pool.is_alive())
+    assert wait_until(lambda: not local_pool.is_alive(), 10.0)
 
 
 def test_the_pool_file_is_never_written_through_a_planted_link(

@@ -8,11 +8,11 @@ whose holder contributes that much), with 500 ms read leases.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from tests.factories import wait_until
 
 from kvpool import header
 from kvpool.header import HEADER_SIZE, CheckFailure
@@ -58,16 +58,6 @@ def rand(n: int, seed: int) -> np.ndarray:
 def split(a: np.ndarray, *cuts: int) -> list[tuple[int, int]]:
     bounds = [0, *cuts, a.nbytes]
     return [(a.ctypes.data + x, y - x) for x, y in itertools.pairwise(bounds)]
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def registered(store: KVStore, *arrays: np.ndarray) -> None:
@@ -125,7 +115,7 @@ def test_remove_is_refused_during_a_read_lease_unless_forced(make_store: MakeSto
     assert store.batch_remove(["l/a", "l/b"]) == [Status.LEASED] * 2
     assert store.batch_remove(["l/a"], force=True) == [Status.OK]
     # the lease of l/b ends after LEASE_S; then a plain remove succeeds
-    assert wait_for(lambda: store.batch_remove(["l/b"]) == [Status.OK], LEASE_S * 10)
+    assert wait_until(lambda: store.batch_remove(["l/b"]) == [Status.OK], LEASE_S * 10)
 
 
 def test_a_get_of_another_size_is_corrupt_never_ok(make_store: MakeStore) -> None:
@@ -163,7 +153,7 @@ def test_eviction_under_pressure_reads_missing_never_garbage(make_store: MakeSto
     # A put that finds space again shows it has (asking with exists would not do:
     # it grants read leases, and leased objects are never evicted).
     probe = rand(MiB, n)
-    assert wait_for(lambda: store.batch_put(["ev/probe"], [split(probe)]) == [Status.OK], 10)
+    assert wait_until(lambda: store.batch_put(["ev/probe"], [split(probe)]) == [Status.OK], 10)
     outs = [np.zeros(MiB, np.uint8) for _ in range(n)]
     results = store.batch_get(keys, [split(o) for o in outs])
     assert set(results) <= {Status.OK, Status.MISSING}

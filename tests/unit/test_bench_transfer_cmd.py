@@ -8,18 +8,16 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from kvpool.bench.hooks import HookOverhead
+from kvpool.bench.paged_kv import KVShape, PagedKV, kv_shape_for
 from kvpool.bench.transfer import (
     DEFAULT_SIZES,
     MAX_SLICES,
     PATHS,
-    HookOverhead,
-    KVShape,
     SizeResult,
     TransferBench,
     VariantResult,
-    _KVCache,
     job_size,
-    kv_shape_for,
 )
 from kvpool.cli.bench_transfer_cmd import (
     TRANSFER_PATHS,
@@ -94,7 +92,7 @@ def test_kv_shape_falls_back_to_fewer_layers_and_refuses_what_cannot_fit() -> No
 
 def test_kv_cache_is_one_allocation_in_vllm_cpu_layout() -> None:
     shape = KVShape(4, 32, 2, 64)
-    kv = _KVCache(shape, num_blocks=6)
+    kv = PagedKV(shape, num_blocks=6)
     assert len(kv.layers) == 4
     for i, (_, t) in enumerate(kv.layers):
         assert tuple(t.shape) == (6, 2, 32, 128)

@@ -9,7 +9,8 @@ import sys
 def test_core_modules_import_no_heavy_packages() -> None:
     code = (
         "import sys, kvpool, kvpool.layout, kvpool.keys, kvpool.plan, kvpool.chunks, "
-        "kvpool.config, kvpool.errors, kvpool.lookup.search\n"
+        "kvpool.chunkhash, kvpool.header, kvpool.config, kvpool.errors, kvpool.lookup.search, "
+        "kvpool.pool.ages\n"
         "heavy = {'torch', 'zmq', 'mooncake', 'vllm', 'click', 'rich'} & set(sys.modules)\n"
         "print(sorted(heavy))"
     )

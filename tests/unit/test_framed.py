@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -56,9 +57,13 @@ def test_the_header_is_stored_first_and_describes_the_payload(
     inner: MemoryStore, framed: FramedStore
 ) -> None:
     a = buf(300, 2)
+    before = int(time.time() * 1000)
     framed.batch_put(["k"], [split(a, 100)])
+    after = int(time.time() * 1000)
     raw = stored_bytes(inner, "k", HEADER_SIZE + 300)
     h = header.unpack(raw.tobytes())
+    assert before <= h.written_ms <= after  # the put's wall-clock time
+    assert header.written_at(raw.tobytes(), bytes.fromhex(FP), "k") == h.written_ms
     assert h.fingerprint == bytes.fromhex(FP) and h.payload_len == 300
     assert h.key_digest == header.key_digest("k")
     assert h.checksum == header.payload_checksum([(a.ctypes.data, a.nbytes)]) and h.has_checksum

@@ -11,17 +11,18 @@ from kvpool.chunkhash import ChunkChain
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupKind, GroupSpec, Layout
 
-FINGERPRINT = "1ba618a17fef88a1"
+FINGERPRINT = "be3b97aea8b7c452"
 KEY = (
-    "kvpool/4/meta-llama/Llama-3.1-8B/1ba618a17fef88a1/g0.h5.d0.c0.b0/"
+    "kvpool/4/meta-llama/Llama-3.1-8B/be3b97aea8b7c452/g0.h5.d0.c0.b0/"
     "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
 )
+WRITTEN_MS = 1_796_169_600_000  # 2026-12-02 00:00 UTC
 HEADER_WITH_CHECKSUM = (
-    "4b56504c020001001ba618a17fef88a14b3d53e3132b9b5b0000400000000000"
-    "efcdab8967452301000000000000000000000000000000000000000000000000"
+    "4b56504c03000100be3b97aea8b7c452fb296e2b678a22d10000400000000000"
+    "efcdab896745230100000000000000000000000000000000000c0d34a2010000"
 )
 HEADER_WITHOUT_CHECKSUM = (
-    "4b56504c020000001ba618a17fef88a14b3d53e3132b9b5b0000400000000000"
+    "4b56504c03000000be3b97aea8b7c452fb296e2b678a22d10000400000000000"
     "0000000000000000000000000000000000000000000000000000000000000000"
 )
 
@@ -54,7 +55,8 @@ def test_the_key_of_a_fixed_chunk() -> None:
 
 def test_the_header_of_a_fixed_object() -> None:
     fp = header.fingerprint_bytes(FINGERPRINT)
-    assert header.pack(fp, KEY, 4 << 20, 0x0123456789ABCDEF).hex() == HEADER_WITH_CHECKSUM
+    stamped = header.pack(fp, KEY, 4 << 20, 0x0123456789ABCDEF, written_ms=WRITTEN_MS)
+    assert stamped.hex() == HEADER_WITH_CHECKSUM
     assert header.pack(fp, KEY, 4 << 20).hex() == HEADER_WITHOUT_CHECKSUM
 
 
@@ -62,6 +64,7 @@ def test_the_stored_header_still_reads() -> None:
     got = header.unpack(bytes.fromhex(HEADER_WITH_CHECKSUM))
     assert got.payload_len == 4 << 20
     assert got.checksum == 0x0123456789ABCDEF
+    assert got.written_ms == WRITTEN_MS
     assert header.check(got, header.fingerprint_bytes(FINGERPRINT), KEY, 4 << 20, None) is None
 
 

@@ -9,11 +9,11 @@ import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.factories import key_space
 
 from kvpool import header
 from kvpool.errors import HeaderError
 from kvpool.header import HEADER_SIZE, CheckFailure, Header, check, pack, unpack
-from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 
 FP = bytes.fromhex("0123456789abcdef")
@@ -31,7 +31,8 @@ _FIELDS = [
     (range(16, 24), CheckFailure.KEY),
     (range(24, 32), CheckFailure.LENGTH),
     (range(32, 40), CheckFailure.CHECKSUM),
-    (range(40, 64), CheckFailure.RESERVED),
+    (range(40, 56), CheckFailure.RESERVED),  # signature bytes of an unsigned header
+    (range(56, 64), None),  # the write time: advisory, any value reads
 ]
 
 
@@ -45,6 +46,22 @@ def test_header_is_64_bytes_and_starts_with_magic() -> None:
     assert HEADER_SIZE == 64 and len(raw) == 64
     assert raw[:4] == b"KVPL"
     assert raw[40:] == bytes(24)
+    stamped = pack(FP, "k", 10, 7, written_ms=1_765_000_000_000)
+    assert stamped[:56] == raw[:56] and stamped[56:] != bytes(8)
+    assert unpack(stamped).written_ms == 1_765_000_000_000
+
+
+def test_written_at_reads_the_time_of_this_keys_header_only() -> None:
+    stamped = pack(FP, "k", 10, 7, written_ms=123_456)
+    assert header.written_at(stamped, FP, "k") == 123_456
+    assert header.written_at(stamped + b"payload", FP, "k") == 123_456
+    assert header.written_at(stamped, FP, "other") is None  # another key's object
+    assert header.written_at(stamped, bytes(8), "k") is None  # another config's
+    assert header.written_at(pack(FP, "k", 10, 7), FP, "k") is None  # no time said
+    assert header.written_at(stamped[:63], FP, "k") is None  # too short
+    old = bytearray(stamped)
+    old[4] = 2  # format 2 had no time there
+    assert header.written_at(bytes(old), FP, "k") is None
 
 
 @given(fingerprints, keys, lengths, checksums)
@@ -189,14 +206,8 @@ def test_any_flipped_bit_changes_the_checksum(payload: bytes, data: st.DataObjec
 
 
 def test_fingerprint_bytes_of_a_key_space() -> None:
-    space = KeySpace.create(
-        model="org/m",
-        layout=Layout.create(groups=["gqa:8"]),
-        kv_dtype="bfloat16",
-        model_dtype="bfloat16",
-        chunk_size=16,
-        head_size=128,
-        num_layers=2,
+    space = key_space(
+        Layout.create(groups=["gqa:8"]), "org/m", dtype="bfloat16", chunk_size=16, head_size=128
     )
     fp = header.fingerprint_bytes(space.fingerprint)
     assert fp.hex() == space.fingerprint and len(fp) == 8

@@ -6,6 +6,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from tests.factories import key_space
 
 from kvpool.errors import LayoutError
 from kvpool.keys import KeySpace, dp_index_of, lookup_endpoint
@@ -14,15 +15,7 @@ from kvpool.plan import build_plan, reference_totals
 
 
 def space(layout: Layout) -> KeySpace:
-    return KeySpace.create(
-        model="org/m",
-        layout=layout,
-        kv_dtype="bf16",
-        model_dtype="bf16",
-        chunk_size=32,
-        head_size=64,
-        num_layers=2,
-    )
+    return key_space(layout, "org/m", dtype="bf16")
 
 
 def objects_per_chunk(layout: Layout, chunks: int = 8) -> int:

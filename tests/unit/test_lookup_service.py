@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -25,6 +25,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.factories import key_space, wait_until
 
 from kvpool.errors import ConfigError
 from kvpool.keys import KeySpace, lookup_endpoint
@@ -53,15 +54,7 @@ HANG_S = 5.0
 
 
 def space_of(layout: Layout, model: str = "org/lookup-test") -> KeySpace:
-    return KeySpace.create(
-        model=model,
-        layout=layout,
-        kv_dtype="bfloat16",
-        model_dtype="bfloat16",
-        chunk_size=CHUNK,
-        head_size=64,
-        num_layers=2,
-    )
+    return key_space(layout, model, dtype="bfloat16", chunk_size=CHUNK)
 
 
 def read_keys(layout: Layout, space: KeySpace, chunk_hash: bytes) -> list[str]:
@@ -82,17 +75,6 @@ def put(store: KVStore, keys: Sequence[str]) -> None:
 
 def put_chunks(store: KVStore, layout: Layout, space: KeySpace, hashes: Sequence[bytes]) -> None:
     put(store, [k for h in hashes for k in read_keys(layout, space, h)])
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    """Poll ``predicate`` until it holds or the deadline passes."""
-    end = time.monotonic() + timeout_s
-    done = threading.Event()
-    while not predicate():
-        if time.monotonic() > end:
-            return False
-        done.wait(0.005)
-    return True
 
 
 class CountingStore(MemoryStore):
@@ -650,7 +632,9 @@ def test_a_killed_server_is_a_miss_within_the_deadline_and_a_new_one_is_found(
     second = None
     try:
         # The client was made first: it connects at its next reconnect attempt.
-        assert wait_until(lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 2 * CHUNK)
+        assert wait_until(
+            lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 2 * CHUNK, 10.0, 0.005
+        )
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert Path(Endpoint.parse(service.endpoint).path).exists()  # left behind, stale
@@ -660,7 +644,9 @@ def test_a_killed_server_is_a_miss_within_the_deadline_and_a_new_one_is_found(
             assert time.monotonic() - began < HANG_S
         assert set(client.stats.misses) <= {"unreachable", "timeout", "backoff", "rebuilt"}
         second = _spawn_server(service.endpoint, chunks=4)  # takes over the stale socket
-        assert wait_until(lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 4 * CHUNK)
+        assert wait_until(
+            lambda: client.lookup("r", hashes, 4 * CHUNK + 1) == 4 * CHUNK, 10.0, 0.005
+        )
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
@@ -686,7 +672,7 @@ def test_a_closed_server_is_a_miss_and_a_restarted_one_answers(service: Service)
     assert client.lookup("r", hashes, 3 * CHUNK + 1) == 0
     assert time.monotonic() - began < HANG_S
     service.server(store, MLA_DCP, space)
-    assert wait_until(lambda: client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK)
+    assert wait_until(lambda: client.lookup("r", hashes, 3 * CHUNK + 1) == 3 * CHUNK, 10.0, 0.005)
 
 
 def test_a_stuck_server_times_out_rebuilds_backs_off_and_drops_the_late_reply(
@@ -717,9 +703,9 @@ def test_async_lookups_answer_none_until_replied_then_the_hit_once(service: Serv
     client = service.client(timeout_ms=10_000.0)
     client.start("a", chunk_hashes(3), 3 * CHUNK + 1)
     # Sent by start() if connected already, else by a later poll().
-    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set(), 10.0, 0.005)
     store.gate.set()
-    assert wait_until(lambda: client.poll("a") is not None)
+    assert wait_until(lambda: client.poll("a") is not None, 10.0, 0.005)
     assert client.stats.hit_tokens == 3 * CHUNK
     assert client.poll("a") == 0  # answered once; now unknown
     assert client.poll("never-started") == 0
@@ -730,7 +716,7 @@ def test_async_cancel_drops_the_late_reply(service: Service) -> None:
     service.server(store)
     client = service.client(timeout_ms=10_000.0)
     client.start("a", chunk_hashes(2), 3 * CHUNK)
-    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set(), 10.0, 0.005)
     client.cancel("a")
     store.gate.set()
     # Replies come in order on one connection: "a"'s arrives first and is dropped.
@@ -746,7 +732,7 @@ def test_async_lookup_past_its_deadline_is_a_miss(service: Service) -> None:
     service.server(store)
     client = service.client(timeout_ms=20.0, clock=clock)
     client.start("a", chunk_hashes(2), 3 * CHUNK)
-    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set())
+    assert wait_until(lambda: client.poll("a") is None and store.entered.is_set(), 10.0, 0.005)
     clock.now += 0.021
     assert client.poll("a") == 0
     assert client.stats.misses == {"timeout": 1}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from tests.factories import key_space
 
 from kvpool.cli.app import run
 from kvpool.cli.pool_cmd import (
@@ -230,3 +231,50 @@ def test_namespace_bytes_add_each_content_ids_keys_times_its_objects_size(
     )
     summary = status._with_bytes(namespace_counts(keys), "http://127.0.0.1:1", 1.0)
     assert [(r.keys, r.bytes) for r in summary.rows] == [(8, 3 * 1000 + 5 * 700)]
+
+
+def test_durations_and_ages_read_and_print_as_an_operator_writes_them() -> None:
+    from kvpool.cli.pool_cmd import format_age, parse_duration
+
+    assert [parse_duration(v) for v in ("90s", "10m", "2.5h", "7d", " 1 h ")] == [
+        90, 600, 9000, 604800, 3600,
+    ]  # fmt: skip
+    for bad in ("", "10", "h", "1w", "-1h", "2 weeks"):
+        with pytest.raises(ValueError, match="a duration is a number and a unit"):
+            parse_duration(bad)
+    assert [format_age(s) for s in (-3, 45, 600, 7200, 3 * 86400)] == [
+        "0 s", "45 s", "10 min", "2.0 h", "3.0 d",
+    ]  # fmt: skip
+
+
+def test_ages_read_kvpool_headers_only_and_unknown_times_never_match() -> None:
+    import random
+    from collections.abc import Sequence
+
+    from kvpool import header
+    from kvpool.layout import Layout
+    from kvpool.pool.ages import oldest_written, written_before, written_times
+
+    layout = Layout.create(groups=["gqa:2"])
+    space = key_space(layout)  # fmt: skip
+    fp = header.fingerprint_bytes(space.fingerprint)
+    keys = [space.key(layout.holdings(0, 0)[0], bytes([n]) * 8) for n in range(4)]
+    heads: dict[str, bytes | None] = {
+        keys[0]: header.pack(fp, keys[0], 8, written_ms=1000),
+        keys[1]: header.pack(fp, keys[1], 8, written_ms=5000),
+        keys[2]: header.pack(fp, keys[0], 8, written_ms=10),  # another key's header
+        keys[3]: None,  # gone
+    }
+    asked: list[str] = []
+
+    def read(ks: Sequence[str]) -> list[bytes | None]:
+        asked.extend(ks)
+        return [heads[k] for k in ks]
+
+    times = written_times(read, [*keys, "not-kvpool"])
+    assert "not-kvpool" not in asked
+    assert times == {keys[0]: 1000, keys[1]: 5000, keys[2]: None, keys[3]: None}
+    assert written_before(times, 5000) == [keys[0]]
+    assert oldest_written(read, keys, 10) == (1000, 4)
+    oldest, read_n = oldest_written(read, keys, 2, random.Random(1))
+    assert read_n == 2 and (oldest is None or oldest in (1000, 5000))

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tests.factories import key_space
 
-from kvpool.keys import KeySpace
 from kvpool.kvcache import block_runs, describe_group
 from kvpool.layout import Layout
 from kvpool.plan import chunk_hashes
@@ -174,15 +174,7 @@ def test_round_trip_is_bit_exact(store: KVStore, kind: str, load_mode: str, bloc
 def test_striped_ranks_write_shares_and_a_fresh_rank_reads_all(store: KVStore) -> None:
     """Four TP ranks of an MLA model hold the same bytes; each writes its quarter."""
     layout = Layout.create(tp=4, groups=["mla"])
-    space = KeySpace.create(
-        model="m",
-        layout=layout,
-        kv_dtype="f16",
-        model_dtype="f16",
-        chunk_size=2 * BS,
-        head_size=96,
-        num_layers=2,
-    )
+    space = key_space(layout, dtype="f16", chunk_size=2 * BS, head_size=96)
     hashes = chunk_hashes(12)
     (content,) = layout.holdings(0, 0)
     keys = [space.key(content, h) for h in hashes]

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from tests.factories import key_space
 
 from kvpool.chunkhash import ChunkChain
 from kvpool.errors import ConfigError
-from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.vllm.identity import EngineIdentity
@@ -75,25 +75,14 @@ class FakeManager:
 def identity(tp: int = 1, blocks_per_chunk: int = 1, block: int = B) -> EngineIdentity:
     layout = Layout.create(tp=tp, groups=["gqa:2"])
     chunk = block * blocks_per_chunk
-    space = KeySpace.create(
-        model="m",
-        layout=layout,
-        kv_dtype="f32",
-        model_dtype="f32",
-        chunk_size=chunk,
-        head_size=32,
-        num_layers=2,
-    )
+    space = key_space(layout, chunk_size=chunk, head_size=32)
     return EngineIdentity(layout, space, block, chunk, 0)
 
 
 def grouped(groups: list[str]) -> EngineIdentity:
     """TP1 with these KV groups, a chunk per block."""
     layout = Layout.create(tp=1, groups=groups)
-    space = KeySpace.create(
-        model="m", layout=layout, kv_dtype="f32", model_dtype="f32",
-        chunk_size=B, head_size=32, num_layers=2,
-    )  # fmt: skip
+    space = key_space(layout, chunk_size=B, head_size=32)  # fmt: skip
     return EngineIdentity(layout, space, B, B, 0)
 
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tests.factories import key_space
 
 from kvpool.config import PoolConfig
-from kvpool.keys import KeySpace
 from kvpool.layout import Layout
 from kvpool.settings import ConnectorSettings
 from kvpool.store.base import KVStore, Status
@@ -29,15 +29,7 @@ B, NB = 32, 16  # tokens per block, blocks
 
 def identity(tp: int = 1, kv_heads: int = 1, window: int = 0) -> EngineIdentity:
     layout = Layout.create(tp=tp, groups=[f"gqa:{kv_heads}" + (f":w{window}" if window else "")])
-    space = KeySpace.create(
-        model="m",
-        layout=layout,
-        kv_dtype="f32",
-        model_dtype="f32",
-        chunk_size=B,
-        head_size=64,
-        num_layers=2,
-    )
+    space = key_space(layout, chunk_size=B)
     return EngineIdentity(layout, space, B, B, 0)
 
 
@@ -181,18 +173,24 @@ def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests
 
 
 def test_zero_copy_stays_off_for_kv_groups_that_free_blocks_of_running_requests() -> None:
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
-
-    window = SlidingWindowSpec.__new__(SlidingWindowSpec)  # only its kind is read
-    kv_config = SimpleNamespace(
-        num_blocks=NB,
-        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=window)],
-    )
+    """One rule (``EngineIdentity.frees_blocks_early``) for drains and zero copy: a
+    sliding-window group frees blocks of running requests, so zero copy stays off."""
+    full, windowed = identity(), identity(window=64)
+    assert full.keeps_blocks and full.frees_blocks_early() is None
+    odd = windowed.frees_blocks_early()
+    assert not windowed.keeps_blocks and odd is not None and odd.window == 64
+    assert windowed.frees_blocks_early([]) is None  # a rank holding none of its groups
+    kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])])
     store = MemoryStore(capacity=1 << 28)
     settings = ConnectorSettings(zero_copy=True)
-    worker = WorkerSide(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    worker = WorkerSide(windowed, 0, settings, PoolConfig(), kv, lambda _: store)
     worker.register(kv_caches())
     assert worker.engine is not None and not worker.engine.zero_copy
+    worker.close()
+    other = MemoryStore(capacity=1 << 28)  # the worker closed the first one
+    worker = WorkerSide(full, 0, settings, PoolConfig(), kv, lambda _: other)
+    worker.register(kv_caches())
+    assert worker.engine is not None and worker.engine.zero_copy  # the control
     worker.close()
 
 
@@ -471,8 +469,7 @@ def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_al
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     kv_config = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=names)])
     layout = Layout.create(groups=["gqa:1"], layers=2, layer_bands=[0, 1], token_classes=2)
-    space = KeySpace.create(model="m", layout=layout, kv_dtype="f32", model_dtype="f32",
-                            chunk_size=B, head_size=64, num_layers=2)  # fmt: skip
+    space = key_space(layout, chunk_size=B)  # fmt: skip
     ident = EngineIdentity(layout, space, B, B, 0)
 
     def worker(caches: dict[str, torch.Tensor]) -> WorkerSide:

@@ -3,19 +3,22 @@ engine step when no request loads or saves.
 
     measure_hook_overhead(config, steps) -> HookOverhead   measure; prints nothing
 
+    HookOverhead                                          what it measured
+
 The one bench module that imports the vLLM adapter (``kvpool.vllm``, and so
-vLLM itself: seconds), and only when called; ``run_transfer_bench`` imports
-this module only when it measures the hooks (``hook_steps`` > 0). Everything
-else it uses (the KV cache, its shape) is ``kvpool.bench.transfer``'s.
+vLLM itself: seconds), and only inside ``measure_hook_overhead``
+(``run_transfer_bench`` calls it only when asked: ``hook_steps`` > 0). The KV
+cache and its shape are ``kvpool.bench.paged_kv``'s.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
-from kvpool.bench.transfer import HookOverhead, KiB, Progress, _KVCache, kv_shape_for
+from kvpool.bench.paged_kv import KiB, PagedKV, Progress, kv_shape_for
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
 from kvpool.keys import KeySpace
@@ -23,7 +26,24 @@ from kvpool.layout import Layout
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
 
-__all__ = ["measure_hook_overhead"]
+__all__ = ["HookOverhead", "measure_hook_overhead"]
+
+
+@dataclass(frozen=True, slots=True)
+class HookOverhead:
+    """Median microseconds per engine step with nothing to load or save."""
+
+    steps: int
+    submit_poll_us: float  # TransferEngine.submit_save(job, []) + poll()
+    metadata_us: float  # building an empty KVPoolMetadata
+    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta,
+    #                  interval_stats: every worker hook the connector calls per step
+    stats_us: float  # of which interval_stats (the connector's get_kv_connector_stats)
+
+    @property
+    def step_us(self) -> float:
+        """What a worker pays per idle step: the metadata and the hooks."""
+        return self.metadata_us + self.hooks_us
 
 
 def _median_us(samples_ns: list[int]) -> float:
@@ -49,7 +69,7 @@ def measure_hook_overhead(
 
     progress = on_progress or (lambda *_: None)
     shape = kv_shape_for(256 * KiB)
-    kv = _KVCache(shape, 16)
+    kv = PagedKV(shape, 16)
     layout = Layout.create(tp=1, groups=[f"gqa:{shape.kv_heads}"])
     space = KeySpace.create(model="kvpool-bench/hooks", layout=layout, kv_dtype="float32",
                             model_dtype="float32", chunk_size=shape.block_size,

@@ -1,11 +1,10 @@
 """Transfer throughput: paged KV tensors -> pool -> KV tensors through ``TransferEngine``.
 
     run_transfer_bench(config, ...) -> TransferBench   measure; prints nothing
-    kv_shape_for(size, layers)      a vLLM-like KV shape whose one-block chunk
-                                    object has ``size`` bytes
-    HookOverhead                    the worker hooks' per-step CPU cost when there is
-                                    nothing to load or save (``kvpool.bench.hooks``
-                                    measures it: the one part that imports vLLM)
+
+KV caches and their shapes are ``kvpool.bench.paged_kv``'s; the worker hooks'
+idle cost (``HookOverhead``) is measured by ``kvpool.bench.hooks``, imported only
+when asked (it imports vLLM).
 
 For each path (``tcp``: ``MooncakeStore(shared_memory=False)``; ``shm``:
 ``shared_memory=True``), with staged loads as the vLLM connector runs them
@@ -55,6 +54,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvpool.bench.hooks import HookOverhead
+from kvpool.bench.paged_kv import KiB, KVShape, MiB, PagedKV, Progress, kv_shape_for
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
 from kvpool.store.base import Status
@@ -66,76 +67,20 @@ from kvpool.transfer import ChunkRef, JobResult, TransferEngine
 __all__ = [
     "DEFAULT_SIZES",
     "PATHS",
-    "HookOverhead",
-    "KVShape",
     "SizeResult",
     "TransferBench",
     "VariantResult",
     "job_size",
-    "kv_shape_for",
     "run_transfer_bench",
 ]
 
-KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (32 * KiB, 256 * KiB, 1 * MiB)
 PATHS = ("tcp", "shm")
 VARIANTS = ("raw", "kvpool", "kvpool+checksum", "kvpool+secret", "zero-copy", "zero-copy+checksum")
 _BENCH_SECRET = bytes(range(32))  # any 32 bytes: the cost does not depend on them
 _BENCH_FP = "6b76706f6f6c6265"  # b"kvpoolbe": the bench's own key space
-_DTYPE_BYTES = 4  # float32, as vLLM's CPU backend runs the tiny models
 _WAIT_S = 120.0  # a job that takes longer than this is a hung pool
 MAX_SLICES = 1024  # segments per batch call kept well below the TCP lane queue (2048)
-
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
-
-
-@dataclass(frozen=True, slots=True)
-class KVShape:
-    """One KV cache group in vLLM's CPU layout, float32."""
-
-    layers: int
-    block_size: int  # tokens per block (= per chunk object)
-    kv_heads: int
-    head_size: int
-
-    @property
-    def row_elems(self) -> int:
-        return self.kv_heads * self.head_size
-
-    @property
-    def layer_block_nbytes(self) -> int:
-        """Bytes of one block of one layer (K and V): one segment of an object."""
-        return 2 * self.block_size * self.row_elems * _DTYPE_BYTES
-
-    @property
-    def object_nbytes(self) -> int:
-        """Bytes of one chunk object: one block over all layers."""
-        return self.layers * self.layer_block_nbytes
-
-    def __str__(self) -> str:
-        return f"{self.layers}L x [2, {self.block_size}, {self.kv_heads}x{self.head_size}] f32"
-
-
-def kv_shape_for(size: int, layers: int = 8) -> KVShape:
-    """A realistic shape whose one-block object has exactly ``size`` bytes.
-
-    Tries ``layers`` layers first (then fewer), block sizes 32, 64, 128, 16 and
-    head sizes 64, 128, 32 (what vLLM's CPU attention supports), with 1..64 KV
-    heads. Raises ``ValueError`` if nothing fits.
-    """
-    if layers < 1:
-        raise ValueError(f"layers must be >= 1, got {layers}")
-    tries = sorted({layers, *(n for n in (8, 4, 2, 1) if n < layers)}, reverse=True)
-    for n in tries:
-        for block_size in (32, 64, 128, 16):
-            for head_size in (64, 128, 32):
-                per_head = n * 2 * block_size * head_size * _DTYPE_BYTES
-                if size % per_head == 0 and 1 <= size // per_head <= 64:
-                    return KVShape(n, block_size, size // per_head, head_size)
-    raise ValueError(
-        f"no float32 KV shape with up to {layers} layers gives {size}-byte objects; "
-        "pick a multiple of 16 KiB between 16 KiB and 64 MiB, e.g. 256KiB or 1MiB"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,23 +165,6 @@ class SizeResult:
 
 
 @dataclass(frozen=True, slots=True)
-class HookOverhead:
-    """Median microseconds per engine step with nothing to load or save."""
-
-    steps: int
-    submit_poll_us: float  # TransferEngine.submit_save(job, []) + poll()
-    metadata_us: float  # building an empty KVPoolMetadata
-    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta,
-    #                  interval_stats: every worker hook the connector calls per step
-    stats_us: float  # of which interval_stats (the connector's get_kv_connector_stats)
-
-    @property
-    def step_us(self) -> float:
-        """What a worker pays per idle step: the metadata and the hooks."""
-        return self.metadata_us + self.hooks_us
-
-
-@dataclass(frozen=True, slots=True)
 class TransferBench:
     """The whole run."""
 
@@ -261,60 +189,6 @@ def _gbps(nbytes: int, seconds: Sequence[float]) -> float:
         return 0.0
     median = statistics.median(seconds)
     return nbytes / median / 1e9 if median > 0 else 0.0
-
-
-# --------------------------------------------------------------------------- KV caches
-
-
-class _KVCache:
-    """``num_blocks`` blocks of ``shape`` in one contiguous allocation (or ``memory``)."""
-
-    def __init__(self, shape: KVShape, num_blocks: int, memory: torch.Tensor | None = None) -> None:
-        self.shape, self.num_blocks = shape, num_blocks
-        per_layer = num_blocks * 2 * shape.block_size * shape.row_elems
-        n = shape.layers * per_layer
-        if memory is None:
-            self.flat = torch.empty(n, dtype=torch.float32)
-        else:
-            self.flat = memory.view(torch.uint8)[: n * _DTYPE_BYTES].view(torch.float32)
-        self.layers = [
-            (
-                f"model.layers.{i}.self_attn.attn",
-                self.flat[i * per_layer : (i + 1) * per_layer].view(
-                    num_blocks, 2, shape.block_size, shape.row_elems
-                ),
-            )
-            for i in range(shape.layers)
-        ]
-        self.base = int(self.flat.data_ptr())
-        self.nbytes = n * _DTYPE_BYTES
-        self.layer_stride = per_layer * _DTYPE_BYTES
-
-    @property
-    def bytes(self) -> npt.NDArray[np.uint8]:
-        return self.flat.view(torch.uint8).numpy()
-
-    def segments(self, block_ids: npt.NDArray[np.int64]) -> list[list[Segment]]:
-        """Per object (one block id each): one segment per layer, in layer order."""
-        n = self.shape.layer_block_nbytes
-        return [
-            [(self.base + layer * self.layer_stride + int(b) * n, n)
-             for layer in range(self.shape.layers)]
-            for b in block_ids
-        ]  # fmt: skip
-
-    def equal(
-        self, ids: npt.NDArray[np.int64], other: _KVCache, other_ids: npt.NDArray[np.int64]
-    ) -> npt.NDArray[np.bool_]:
-        """Per object: do blocks ``ids`` here hold the bytes of ``other_ids`` there?"""
-        same = torch.ones(len(ids), dtype=torch.bool)
-        mine, theirs = torch.from_numpy(ids), torch.from_numpy(other_ids)
-        for (_, a), (_, b) in zip(self.layers, other.layers, strict=True):
-            x = a.view(torch.int32).index_select(0, mine).flatten(1)  # bits, not floats (NaN)
-            y = b.view(torch.int32).index_select(0, theirs).flatten(1)
-            same &= (x == y).all(dim=1)
-        out: npt.NDArray[np.bool_] = same.numpy()
-        return out
 
 
 # --------------------------------------------------------------------------- one size
@@ -431,8 +305,8 @@ class _Variant:
 
     saver: TransferEngine
     loader: TransferEngine
-    src: _KVCache
-    dst: _KVCache
+    src: PagedKV
+    dst: PagedKV
 
 
 def _variant(
@@ -440,8 +314,8 @@ def _variant(
     config: PoolConfig,
     shm: bool,
     name: str,
-    src: _KVCache,
-    dst: _KVCache,
+    src: PagedKV,
+    dst: PagedKV,
     staging_bytes: int,
 ) -> _Variant:
     """The engines of variant ``name`` over a new ``FramedStore(MooncakeStore)``, as a
@@ -456,7 +330,7 @@ def _variant(
     )
     stack.callback(framed.close)
 
-    def engine(cache: _KVCache, **options: Any) -> TransferEngine:
+    def engine(cache: PagedKV, **options: Any) -> TransferEngine:
         out = TransferEngine(framed, [cache.layers], cache.num_blocks, **options)
         stack.callback(out.close)
         return out
@@ -469,9 +343,9 @@ def _variant(
     def home(n: int) -> torch.Tensor | None:
         return torch.from_numpy(framed.alloc_staging(n)) if shm else None
 
-    zsrc = _KVCache(src.shape, src.num_blocks, home(src.nbytes))
+    zsrc = PagedKV(src.shape, src.num_blocks, home(src.nbytes))
     zsrc.bytes[:] = src.bytes
-    zdst = _KVCache(dst.shape, dst.num_blocks, home(dst.nbytes))
+    zdst = PagedKV(dst.shape, dst.num_blocks, home(dst.nbytes))
     return _Variant(engine(zsrc, zero_copy=True), engine(zdst, zero_copy=True), zsrc, zdst)
 
 
@@ -489,9 +363,9 @@ def _bench_size(
     nbytes = size * objects
     jobs = [(a, min(a + job_chunks, objects)) for a in range(0, objects, job_chunks)]
     rng = np.random.default_rng(size)
-    src = _KVCache(shape, objects)
+    src = PagedKV(shape, objects)
     src.bytes[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
-    dst = _KVCache(shape, objects)
+    dst = PagedKV(shape, objects)
     copy_dst = np.empty(src.nbytes, dtype=np.uint8)
     times = {v: _Times.empty() for v in VARIANTS}
     copies: list[float] = []
@@ -502,13 +376,9 @@ def _bench_size(
         # Raw puts and gets need memory their client can use: the KV caches themselves
         # over TCP, replicas in the dummy client's shared memory otherwise.
         if raw_store.shared_memory:
-            raw_src = _KVCache(
-                shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes))
-            )
+            raw_src = PagedKV(shape, objects, torch.from_numpy(raw_store.alloc_staging(src.nbytes)))
             raw_src.bytes[:] = src.bytes
-            raw_dst = _KVCache(
-                shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes))
-            )
+            raw_dst = PagedKV(shape, objects, torch.from_numpy(raw_store.alloc_staging(dst.nbytes)))
         else:
             raw_src, raw_dst = src, dst
             raw_store.register_memory(src.base, src.nbytes)

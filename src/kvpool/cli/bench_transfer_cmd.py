@@ -38,8 +38,9 @@ from kvpool.cli.bench_cmd import (
 from kvpool.errors import KVPoolError
 
 if TYPE_CHECKING:  # the module imports torch: only the command itself loads it
-    from kvpool.bench.transfer import HookOverhead, TransferBench
+    from kvpool.bench.hooks import HookOverhead
     from kvpool.bench.transfer import SizeResult as TransferSize
+    from kvpool.bench.transfer import TransferBench
 
 __all__ = [
     "TRANSFER_PATHS",
@@ -358,7 +359,8 @@ def transfer_cmd(
 
     from rich.console import Group
 
-    from kvpool.bench.transfer import kv_shape_for, run_transfer_bench
+    from kvpool.bench.paged_kv import kv_shape_for
+    from kvpool.bench.transfer import run_transfer_bench
     from kvpool.cli.console import PhaseBars, console
 
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

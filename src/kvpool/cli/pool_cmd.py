@@ -22,9 +22,13 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,36 @@ def format_bytes(n: int | None) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def format_age(seconds: float) -> str:
+    """``45 s``, ``12 min``, ``3.2 h``, ``2.1 d``."""
+    if seconds < 120:
+        return f"{max(0.0, seconds):.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(value: str) -> float:
+    """Seconds of ``90s``, ``10m``, ``2.5h``, ``7d``; ``ValueError`` naming the form."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", value)
+    if not m:
+        raise ValueError(
+            f"a duration is a number and a unit s, m, h or d (90s, 2h, 7d), got {value!r}"
+        )
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _oldest_age(status: PoolStatus, now_ms: int) -> float | None:
+    if status.oldest_written_ms is None:
+        return None
+    return max(0.0, (now_ms - status.oldest_written_ms) / 1000)
 
 
 def kv_transfer_config(pool_file: str | Path) -> str:
@@ -134,6 +168,12 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
             + ("" if status.refused_puts is None else
                f"; {status.refused_puts} puts found the pool full (written once it evicted)"),
         )  # fmt: skip
+    age = _oldest_age(status, int(time.time() * 1000))
+    if age is not None:
+        t.add_row(
+            "oldest",
+            f"written {format_age(age)} ago (the oldest of {status.ages_sampled} objects read)",
+        )
     t.add_row("clients", "?" if status.clients is None else str(status.clients))
     segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
     t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
@@ -203,6 +243,8 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         "evicted_objects": status.evicted_objects,
         "evicted_bytes": status.evicted_bytes,
         "refused_puts": status.refused_puts,
+        "oldest_object_age_s": _oldest_age(status, int(time.time() * 1000)),
+        "ages_sampled": status.ages_sampled,
         "segments": dict(status.segments),
         "hosts": {
             h: {"segments": n, "used_bytes": u, "capacity_bytes": c}
@@ -241,6 +283,13 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     if size <= 0:
         raise click.BadParameter("must be > 0")
     return size
+
+
+def _duration(value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _check_metrics_url(url: str) -> None:
@@ -446,6 +495,43 @@ def down() -> None:
     )
 
 
+@contextlib.contextmanager
+def _head_reader(pool: LocalPool) -> Iterator[Any]:
+    """``MooncakeStore.read_heads`` of a client of ``pool``'s master, or None (logged)
+    when no client connects: status then shows no object ages."""
+    from kvpool.store.mooncake import MooncakeStore
+
+    with mooncake_quiet():
+        try:
+            store = MooncakeStore(pool.config())
+        except KVPoolError as exc:
+            logging.getLogger(__name__).info("cannot read object headers: %s", exc)
+            yield None
+            return
+        with store:
+            yield store.read_heads
+
+
+@contextlib.contextmanager
+def mooncake_quiet() -> Iterator[None]:
+    """Mooncake's C++ log lines (written to fd 2 whatever the log level) kept out of
+    a command's output; shown after all if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if failed:
+                caught.seek(0)
+                os.write(2, caught.read()[-8000:])
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def status(as_json: bool) -> None:
@@ -454,7 +540,8 @@ def status(as_json: bool) -> None:
     if not path.exists():
         raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
     pool = LocalPool.attach(path)
-    report = pool_status(pool)
+    with _head_reader(pool) as read_heads:
+        report = pool_status(pool, read_heads=read_heads)
     if as_json:
         click.echo(json.dumps(status_json(report, path)))
     else:
@@ -481,6 +568,14 @@ def status(as_json: bool) -> None:
     help="Remove the objects of this tenant (the connector's `tenant` setting); with "
     "--model or --fingerprint, only those of it. Without it they match every tenant.",
 )
+@click.option(
+    "--older-than",
+    default=None,
+    metavar="DURATION",
+    callback=lambda ctx, param, v: None if v is None else _duration(v),
+    help="Remove objects written longer ago than this (90s, 10m, 2h, 7d; the time in "
+    "each object's header); with --tenant/--model/--fingerprint, only theirs.",
+)
 @click.option("--all", "everything", is_flag=True, help="Remove every kvpool object.")
 @click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
 @click.option(
@@ -494,20 +589,23 @@ def purge(
     model: str | None,
     fingerprint: str | None,
     tenant: str | None,
+    older_than: float | None,
     everything: bool,
     dry_run: bool,
     wait: float,
 ) -> None:
-    """Remove a tenant's or a model's objects from the running pool (safe while
-    engines run)."""
+    """Remove a tenant's or a model's objects, or old ones, from the running pool
+    (safe while engines run)."""
+    from kvpool.pool.ages import written_before, written_times
     from kvpool.pool.master_api import key_bytes, master_keys
     from kvpool.pool.purge import purge as remove
     from kvpool.pool.purge import select
     from kvpool.store.mooncake import MooncakeStore
 
-    if everything == (model is not None or fingerprint is not None or tenant is not None):
+    named = (model, fingerprint, tenant, older_than)
+    if everything == any(v is not None for v in named):
         raise click.UsageError(
-            "name what to remove: --tenant, --model and/or --fingerprint, or --all"
+            "name what to remove: --tenant, --model, --fingerprint and/or --older-than, or --all"
         )
     if tenant is not None:
         try:
@@ -527,12 +625,26 @@ def purge(
         model=model,
         fingerprint=fingerprint,
         tenant=tenant,
-        everything=everything,
+        everything=everything or (model is None and fingerprint is None and tenant is None),
     )
     given = (("tenant", tenant), ("model", model), ("fingerprint", fingerprint))
     what = "every kvpool object" if everything else " ".join(
         f"{name} {value}" for name, value in given if value is not None
-    )  # fmt: skip
+    ) or "any tenant or model"  # fmt: skip
+    unknown = 0
+    if older_than is not None and keys:
+        what += f" written over {format_age(older_than)} ago"
+        cutoff = int((time.time() - older_than) * 1000)
+        with mooncake_quiet(), MooncakeStore(pool.config()) as store:
+            times = written_times(store.read_heads, keys)
+        unknown = sum(t is None for t in times.values())
+        keys = written_before(times, cutoff)
+        if unknown:
+            _console().print(
+                f"kvpool purge: {unknown} objects of unknown age (gone meanwhile, or of "
+                "another object format: `--fingerprint` removes those) are kept",
+                soft_wrap=True,
+            )
     if not keys:
         _console().print(f"kvpool purge: no object of {what} in the pool", soft_wrap=True)
         return
@@ -546,7 +658,7 @@ def purge(
             soft_wrap=True,
         )
         return
-    with MooncakeStore(pool.config()) as store:
+    with mooncake_quiet(), MooncakeStore(pool.config()) as store:
         result = remove(store, keys, wait_s=wait)
     _console().print(
         f"kvpool purge: removed {result.removed} objects of {what} ({approx}{format_bytes(size)}"

@@ -6,6 +6,9 @@
                                  ``hosts()`` its memory per host, and keys per
                                  host when it spans hosts (``KEY_SAMPLE`` keys
                                  asked at most: beyond, the counts are estimates)
+    pool_status(pool, read_heads=store.read_heads)
+                                 the same, with the oldest write time among
+                                 ``AGE_SAMPLE`` random objects' headers (``ages``)
     namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
                                  group (``NamespaceSummary``); other keys counted
                                  apart; ``pool_status`` adds each group's bytes
@@ -26,6 +29,7 @@ from typing import Any
 
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
+from kvpool.pool.ages import HeadReader, oldest_written
 from kvpool.pool.local import LocalPool
 from kvpool.pool.master_api import (
     key_bytes,
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 
 KEY_SAMPLE = 1000  # keys whose host status asks, at most (one HTTP request each)
 SIZE_SAMPLE = 64  # content ids per namespace row whose object size status asks, at most
+AGE_SAMPLE = 256  # objects whose header status reads for the oldest write time, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,10 @@ class PoolStatus:
     evicted_objects: int | None = None
     evicted_bytes: int | None = None
     refused_puts: int | None = None
+    # The oldest write time (ms since the epoch, writers' clocks) among the headers of
+    # ``ages_sampled`` random kvpool objects; None when none was read or said one.
+    oldest_written_ms: int | None = None
+    ages_sampled: int = 0
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -134,8 +143,14 @@ def _host(segment: str) -> str:
     return segment.rpartition(":")[0] or segment
 
 
-def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -> PoolStatus:
-    """Ask ``pool``'s master for its state; never raises for an unreachable master."""
+def pool_status(
+    pool: LocalPool,
+    timeout: float = 2.0,
+    list_keys: bool = True,
+    read_heads: HeadReader | None = None,
+) -> PoolStatus:
+    """Ask ``pool``'s master for its state; never raises for an unreachable master.
+    With ``read_heads`` (and ``list_keys``), also the oldest write time of a sample."""
     base = PoolStatus(
         master_address=pool.master_address,
         holder_address=pool.holder_address,
@@ -164,6 +179,9 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
     sampled = 0
     if keys is not None and len(set(map(_host, segments))) > 1:
         host_keys, sampled = _keys_per_host(pool.metrics_url, keys, timeout)
+    oldest, aged = None, 0
+    if keys is not None and read_heads is not None:
+        oldest, aged = oldest_written(read_heads, keys, AGE_SAMPLE)
 
     return replace(
         base,
@@ -180,6 +198,8 @@ def pool_status(pool: LocalPool, timeout: float = 2.0, list_keys: bool = True) -
         evicted_objects=gauge("master_evicted_key_count"),
         evicted_bytes=gauge("master_evicted_size_bytes"),
         refused_puts=gauge("master_put_start_alloc_failures_total"),
+        oldest_written_ms=oldest,
+        ages_sampled=aged,
     )
 
 

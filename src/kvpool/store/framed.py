@@ -1,13 +1,14 @@
 """``FramedStore``: a ``KVStore`` that stores a checked header before every payload.
 
-    FramedStore(inner, fingerprint, checksum=True, secret=None)
+    FramedStore(inner, fingerprint, checksum=True, secret=None, clock=time.time)
 
 It is itself a ``KVStore`` whose segments are *payloads*: callers never see
 headers. It owns ``inner`` and closes it.
 
-    batch_put(keys, payloads)   stores header + payload; the header (``kvpool.header``)
-                                is the first segment of each scatter list, taken
-                                from one registered arena, so payloads stay zero-copy
+    batch_put(keys, payloads)   stores header + payload; the header (``kvpool.header``,
+                                stamped with the put's wall-clock time) is the first
+                                segment of each scatter list, taken from one registered
+                                arena, so payloads stay zero-copy
                                 (a first payload segment of at most ``inline_bytes``
                                 is copied next to its header instead: one transfer
                                 slice less, see ``KVStore.merge_bytes``)
@@ -32,6 +33,7 @@ import ctypes
 import logging
 import operator
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -89,8 +91,10 @@ class FramedStore(KVStore):
         slots: int = 1024,
         inline_bytes: int | None = None,
         secret: bytes | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
+        self._clock = clock  # the wall clock stamped into headers (seconds)
         if secret is not None and not secret:
             raise ValueError("a pool secret must not be empty (None: unsigned objects)")
         self._secret = secret
@@ -189,7 +193,8 @@ class FramedStore(KVStore):
             # Checksums and headers of the whole batch at once (header.batch_checksums,
             # header.HeaderTable).
             sums = batch_checksums(segments) if self.checksum else None
-            self._table.pack_rows(slots, self.fingerprint, keys, totals(segments), sums)
+            now_ms = int(self._clock() * 1000)
+            self._table.pack_rows(slots, self.fingerprint, keys, totals(segments), sums, now_ms)
             if self._secret is not None:
                 self._table.sign_rows(slots, keys, segments, self._secret)
             return self._inner(put, keys, self._frames(slots, segments, copy_in=True))

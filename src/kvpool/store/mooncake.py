@@ -6,6 +6,9 @@
                                  (``holder_address``) over shared memory; falls back
                                  to TCP, with a warning, if that cannot be set up
     status_of(code)              Mooncake return code -> ``Status``
+    store.read_heads(keys, n)    the first ``n`` bytes of each object (ranged reads;
+                                 the payloads stay where they are): object headers,
+                                 for ``kvpool status`` and ``kvpool purge``
 
 Shared-memory mode (``requires_staging``): every segment must lie in a buffer
 from ``alloc_staging`` (memfd memory the holder maps; Mooncake refuses any
@@ -165,6 +168,7 @@ SHM_SEGMENTS_IN_FLIGHT = 16384
 # On shared memory a slice costs ~4 us, about a copy of 8 KiB.
 TCP_MERGE_BYTES = 64 << 10
 SHM_MERGE_BYTES = 8 << 10
+HEAD_BATCH = 512  # objects whose first bytes one read_heads call reads
 
 
 class MooncakeStore(KVStore):
@@ -187,6 +191,7 @@ class MooncakeStore(KVStore):
         self._cond = threading.Condition()
         self._transfer_lock = threading.Lock()
         self._inflight = 0
+        self._heads: npt.NDArray[np.uint8] | None = None  # read_heads' shared memory
         self.shared_memory = False
         if shared_memory:
             self._store = factory()
@@ -437,6 +442,42 @@ class MooncakeStore(KVStore):
         if rc is None or rc < 0:
             raise StoreError(f"removing keys under {prefix!r} failed (code {rc})")
         return int(rc)
+
+    def read_heads(self, keys: Sequence[str], nbytes: int = 64) -> list[bytes | None]:
+        """The first ``nbytes`` of each object of ``keys``: None where it is gone,
+        shorter, or the pool did not answer. Ranged reads into one buffer,
+        ``HEAD_BATCH`` keys a call. Like any read, each takes the object's read
+        lease (``kvpool up --lease-ttl-ms``), as a lookup does."""
+        out: list[bytes | None] = []
+        if not keys:
+            return out
+        rows = min(len(keys), HEAD_BATCH)
+        registered = not self.shared_memory
+        if registered:  # a buffer of this call, registered for it
+            buf = np.zeros(rows * nbytes, np.uint8)
+            self.register_memory(buf.ctypes.data, buf.nbytes)
+        else:  # the holder's shared memory, registered already; kept for later calls
+            if self._heads is None or self._heads.nbytes < rows * nbytes:
+                self._heads = self.alloc_staging(HEAD_BATCH * nbytes)
+            buf = self._heads
+        ptr = buf.ctypes.data
+        try:
+            for i in range(0, len(keys), rows):
+                batch = list(keys[i : i + rows])
+                with self._using() as store:
+                    codes = None if store is None else self._guarded(
+                        "get_into_ranges", store.get_into_ranges, [ptr], [batch],
+                        [[[j * nbytes] for j in range(len(batch))]],
+                        [[[0]] * len(batch)], [[[nbytes]] * len(batch)],
+                    )  # fmt: skip
+                got = codes[0] if codes else [[-1]] * len(batch)
+                for j, ranges in enumerate(got):
+                    whole = ranges and ranges[0] == nbytes
+                    out.append(bytes(buf[j * nbytes : (j + 1) * nbytes]) if whole else None)
+        finally:
+            if registered:
+                self.unregister_memory(ptr)
+        return out
 
     # -- internals ----------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,15 @@ class EngineIdentity:
     def keeps_blocks(self) -> bool:
         """Every KV group keeps a running request's blocks until it finishes or is
         preempted (no sliding window, no Mamba state moving on), on every rank."""
-        return all(g.every_chunk for g in self.layout.groups)
+        return self.frees_blocks_early() is None
+
+    def frees_blocks_early(self, groups: Iterable[int] | None = None) -> GroupSpec | None:
+        """The first KV group (of vLLM's group indices ``groups``; all by default)
+        that frees blocks of a running request before it ends (a sliding window, a
+        Mamba state moving on), or None: the one rule for drains and zero copy."""
+        indices = range(len(self.layout.groups)) if groups is None else groups
+        return next((self.layout.groups[g] for g in indices
+                     if not self.layout.groups[g].every_chunk), None)  # fmt: skip
 
 
 def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:

@@ -70,11 +70,10 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to do
+
+
 # vLLM KV group kinds whose blocks stay with a request until it finishes or is
 # preempted (zero copy relies on it; sliding windows free blocks earlier).
-_KEEPS_BLOCKS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
-
-
 class WorkerSide:
     def __init__(
         self,
@@ -192,11 +191,12 @@ class WorkerSide:
         them in its memory first where it needs that (once, at the first open)."""
         if not self.settings.zero_copy:
             return False
-        if store is not self._kv_home and (odd := self._blocks_freed_early()):
+        odd = self.identity.frees_blocks_early(self._local)
+        if store is not self._kv_home and odd is not None:
             logger.warning(
                 "kvpool: zero_copy off: KV group kind %s frees blocks of running "
                 "requests, which a save in flight may still read",
-                odd,
+                odd.kind.name.lower() + (f" (window {odd.window})" if odd.window else ""),
             )
             return False
         if not store.requires_staging or store is self._kv_home:
@@ -211,15 +211,6 @@ class WorkerSide:
             return False
         self._kv_home = store
         return True
-
-    def _blocks_freed_early(self) -> str:
-        """The first KV group spec kind that may free blocks of a running request
-        (sliding windows, Mamba states, ...), or "" when every group keeps them."""
-        for g in self._local:
-            spec = getattr(self.kv_cache_config.kv_cache_groups[g], "kv_cache_spec", None)
-            if spec is not None and type(spec).__name__ not in _KEEPS_BLOCKS:
-                return type(spec).__name__
-        return ""
 
     # -- reconnect -------------------------------------------------------------------
 

@@ -201,3 +201,48 @@ def test_batches_beyond_mooncakes_segments_in_flight_all_succeed(local_pool: Any
         assert time.monotonic() - started < 30
         assert np.array_equal(src, dst)
         store.batch_remove(keys, force=True)
+
+
+def test_a_prefault_touches_staging_through_the_holder_and_leaves_nothing_behind(
+    local_pool: LocalPool,
+) -> None:
+    """``prefault``: shared memory only; it overwrites the whole buffer (the holder
+    wrote every window), its transient object is gone afterwards, and a transfer
+    engine built with it saves and loads the right bytes at once."""
+    import torch
+
+    from kvpool.pool import completed_puts, master_keys, master_metrics
+    from kvpool.transfer import ChunkRef, TransferEngine
+
+    with (
+        MooncakeStore(local_pool.config(), shared_memory=True) as shm,
+        MooncakeStore(local_pool.config()) as tcp,
+    ):
+        buf = shm.alloc_staging(8 * MiB)
+        buf[:] = 7
+        buf[:MiB] = rand(MiB, 9)
+        assert shm.prefault(buf.ctypes.data, buf.nbytes)
+        for w in range(8):  # every window now holds the first one's bytes
+            assert np.array_equal(buf[w * MiB : (w + 1) * MiB], buf[:MiB]), w
+        assert not tcp.prefault(buf.ctypes.data, buf.nbytes)  # TCP: nothing to do
+        assert master_keys(local_pool.metrics_url) == []
+
+        kv = torch.randn(16, 2, 32, 512)  # 16 blocks of 128 KiB
+        puts = completed_puts(master_metrics(local_pool.metrics_url))
+        engine = TransferEngine(
+            FramedStore(shm, FP), [[("l0", kv)]], 16, staging_bytes=32 * MiB, prefault=True
+        )
+        try:
+            chunks = [ChunkRef(f"pf/{b}", 0, b, (b,)) for b in range(4)]
+            assert engine.submit_save("s", chunks)
+            assert engine.wait(["s"], timeout=30)[0].ok
+            before = kv[:4].clone()
+            kv[:4] = 0
+            engine.submit_load("l", chunks)
+            assert engine.wait(["l"], timeout=30)[0].ok
+            assert torch.equal(kv[:4], before)
+        finally:
+            engine.close()
+        assert sorted(master_keys(local_pool.metrics_url)) == [c.key for c in chunks]
+        # the engine's prefault: one transient put, then the 4 chunks
+        assert completed_puts(master_metrics(local_pool.metrics_url)) - puts == 1 + 4

@@ -152,6 +152,9 @@ class FramedStore(KVStore):
     def reaches(self, addr: int, nbytes: int) -> bool:
         return self.inner.reaches(addr, nbytes)
 
+    def prefault(self, addr: int, nbytes: int) -> bool:
+        return not self.closed and self.inner.prefault(addr, nbytes)
+
     def unregister_memory(self, addr: int) -> None:
         if not self.closed:
             self.inner.unregister_memory(addr)

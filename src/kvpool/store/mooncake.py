@@ -6,6 +6,9 @@
                                  (``holder_address``) over shared memory; falls back
                                  to TCP, with a warning, if that cannot be set up
     status_of(code)              Mooncake return code -> ``Status``
+    store.prefault(addr, nbytes) shared memory: the holder touches every page of
+                                 staging now (one transient 1 MiB object), not in
+                                 the first loads
     store.read_heads(keys, n)    the first ``n`` bytes of each object (ranged reads;
                                  the payloads stay where they are): object headers,
                                  for ``kvpool status`` and ``kvpool purge``
@@ -47,6 +50,7 @@ import os
 import re
 import socket
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -169,6 +173,8 @@ SHM_SEGMENTS_IN_FLIGHT = 16384
 TCP_MERGE_BYTES = 64 << 10
 SHM_MERGE_BYTES = 8 << 10
 HEAD_BATCH = 512  # objects whose first bytes one read_heads call reads
+PREFAULT_WINDOW = 1 << 20  # prefault: the transient object, read into every window
+PREFAULT_PREFIX = "kvpool-prefault/"  # its key: never a kvpool key (status: "other")
 
 
 class MooncakeStore(KVStore):
@@ -442,6 +448,37 @@ class MooncakeStore(KVStore):
         if rc is None or rc < 0:
             raise StoreError(f"removing keys under {prefix!r} failed (code {rc})")
         return int(rc)
+
+    def prefault(self, addr: int, nbytes: int) -> bool:
+        """Shared memory: the holder maps a client's staging but takes a page fault on
+        its first touch of each page, so a fresh engine's first loads ran at a third
+        of later speed (a get of 124 MiB into fresh staging: 70 ms; into used: 14 ms;
+        the client touching its own pages first does not help, the faults are the
+        holder's). Here the holder touches every page at once: it stores the first
+        ``PREFAULT_WINDOW`` bytes as a transient object (a unique key under
+        ``PREFAULT_PREFIX``), reads it back into every window of the buffer (one
+        ranged get) and removes it (forced). Measured, 128 MiB: 120-170 ms here,
+        then a first get of 15-20 ms instead of 60-75. The buffer's bytes are
+        overwritten. Over TCP: nothing to do (False)."""
+        if not self.shared_memory or nbytes < PREFAULT_WINDOW:
+            return False
+        window, n = PREFAULT_WINDOW, nbytes // PREFAULT_WINDOW
+        key = f"{PREFAULT_PREFIX}{uuid.uuid4().hex}"
+        with self._using() as store, self._transfer_lock:
+            if store is None:
+                return False
+            rc = self._guarded("put_from", store.put_from, key, addr, window)
+            if rc != 0:
+                logger.debug("kvpool: prefault put returned %s; staging not prefaulted", rc)
+                return False
+            try:
+                got = self._guarded(
+                    "get_into_ranges", store.get_into_ranges, [addr], [[key]],
+                    [[[i * window for i in range(n)]]], [[[0] * n]], [[[window] * n]],
+                )  # fmt: skip
+            finally:
+                self._guarded("remove", store.remove, key, True)
+        return bool(got) and all(r == window for r in got[0][0])
 
     def read_heads(self, keys: Sequence[str], nbytes: int = 64) -> list[bytes | None]:
         """The first ``nbytes`` of each object of ``keys``: None where it is gone,

@@ -20,6 +20,10 @@
     abandon_loads()                report every unfinished staged load failed now
     close()                        stop the threads after the queued jobs
 
+With ``prefault`` (the connector's workers), a store that moves bytes through its
+own staging (Mooncake's shared memory) touches all of it before the first
+transfer (``KVStore.prefault``): a fresh engine's first loads run at full speed.
+
 Any job size moves through bounded staging (``pieces``): staging is split between
 saves and staged loads, each piece reserves only its own bytes and releases them
 when its put (or its copy into the KV tensors) is done. A save bigger than its
@@ -69,6 +73,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Literal
 
@@ -92,6 +97,7 @@ PIECE_BYTES = 16 << 20  # Mooncake pays ~0.4 ms per batch call: pieces stay larg
 # A staged load's piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB (fewer
 # batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
 LOAD_PIECE_BYTES = 32 << 20
+PREFAULT_WAIT_S = 2.0  # what construction waits for a prefault of staging
 
 
 class TransferEngine:
@@ -115,6 +121,7 @@ class TransferEngine:
         zero_copy: bool = False,
         blocks_per_object: int = 1,
         save_wait_s: float = 1.0,
+        prefault: bool = False,
     ) -> None:
         if min(piece_bytes, load_piece_bytes) < 1:
             raise ValueError(f"piece sizes must be >= 1, got {piece_bytes}, {load_piece_bytes}")
@@ -207,6 +214,42 @@ class TransferEngine:
             thread.daemon = True
             thread.start()
         self._closed = False
+        if prefault and staging.numel() and store.requires_staging:
+            self._prefault(store, staging)
+
+    def _prefault(self, store: KVStore, staging: torch.Tensor) -> None:
+        """Have the store touch the whole staging before the first transfer
+        (``KVStore.prefault``), with every byte of both arenas reserved meanwhile:
+        a save waits for it (refused as staging_busy after ``save_wait_s``), a load
+        waits inside its deadline. Waits up to ``PREFAULT_WAIT_S`` for it; a store
+        slower than that finishes in the background, keeping staging reserved."""
+        arenas = [self._save_arena, self._load_arena]
+        held = [(a, a.alloc(a.nbytes)) for a in arenas if a.nbytes]
+        if any(start is None for _, start in held):  # not all of it: never write there
+            for arena, start in held:
+                if start is not None:
+                    arena.free(start)
+            return
+
+        def touch() -> None:
+            t0 = time.monotonic()
+            try:
+                done = store.prefault(int(staging.data_ptr()), staging.numel())
+            finally:
+                for arena, start in held:
+                    assert start is not None
+                    arena.free(start)
+            logger.debug("kvpool: staging prefaulted (%s) in %.0f ms", done,
+                         (time.monotonic() - t0) * 1e3)  # fmt: skip
+
+        thread = threading.Thread(target=touch, name="kvpool-prefault", daemon=True)
+        thread.start()
+        thread.join(PREFAULT_WAIT_S)
+        if thread.is_alive():
+            logger.info(
+                "kvpool: the pool took over %.0f s to prefault staging; transfers wait for it",
+                PREFAULT_WAIT_S,
+            )
 
     # -- public --------------------------------------------------------------------
 

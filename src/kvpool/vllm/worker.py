@@ -173,6 +173,7 @@ class WorkerSide:
                 load_timeout_s=self.settings.load_timeout_s or None,
                 zero_copy=zero_copy,
                 blocks_per_object=self.identity.blocks_per_chunk,
+                prefault=True,  # a fresh engine's first loads at full speed
             )
         except BaseException:
             if store is not self._kv_home:

@@ -54,7 +54,8 @@ def test_a_tensor_without_the_ranks_heads_on_axis_1_is_refused_naming_it() -> No
 
 def test_the_connector_core_imports_no_vllm() -> None:
     code = (
-        "import sys, kvpool.connector.shards, kvpool.connector.drain, kvpool.chunks\n"
+        "import sys, kvpool.connector.shards, kvpool.connector.drain, kvpool.chunks, "
+        "kvpool.connector.planner, kvpool.connector.steps, kvpool.connector.identity\n"
         "print(sorted({'vllm', 'mooncake', 'zmq'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -5,10 +5,9 @@ engine step when no request loads or saves.
 
     HookOverhead                                          what it measured
 
-The one bench module that imports the vLLM adapter (``kvpool.vllm``, and so
-vLLM itself: seconds), and only inside ``measure_hook_overhead``
-(``run_transfer_bench`` calls it only when asked: ``hook_steps`` > 0). The KV
-cache and its shape are ``kvpool.bench.paged_kv``'s.
+It measures ``kvpool.connector.worker.Worker`` (no vLLM: what vLLM's adapter
+runs); ``run_transfer_bench`` calls it only when asked (``hook_steps`` > 0). The
+KV cache and its shape are ``kvpool.bench.paged_kv``'s.
 """
 
 from __future__ import annotations
@@ -20,9 +19,13 @@ from types import SimpleNamespace
 
 from kvpool.bench.paged_kv import KiB, PagedKV, Progress, kv_shape_for
 from kvpool.config import PoolConfig
+from kvpool.connector.identity import EngineIdentity
+from kvpool.connector.steps import StepPlan
+from kvpool.connector.worker import Worker
 from kvpool.errors import StoreError
 from kvpool.keys import KeySpace
 from kvpool.layout import Layout
+from kvpool.settings import ConnectorSettings
 from kvpool.store.framed import FramedStore
 from kvpool.store.mooncake import MooncakeStore
 
@@ -35,8 +38,8 @@ class HookOverhead:
 
     steps: int
     submit_poll_us: float  # TransferEngine.submit_save(job, []) + poll()
-    metadata_us: float  # building an empty KVPoolMetadata
-    hooks_us: float  # WorkerSide start_loads, start_saves, finished, load_errors, worker_meta,
+    metadata_us: float  # building an empty StepPlan
+    hooks_us: float  # Worker start_loads, start_saves, finished, load_errors, worker_meta,
     #                  interval_stats: every worker hook the connector calls per step
     stats_us: float  # of which interval_stats (the connector's get_kv_connector_stats)
 
@@ -55,18 +58,14 @@ def measure_hook_overhead(
 ) -> HookOverhead:
     """Median CPU cost per step of the worker side when no request loads or saves.
 
-    Builds a ``WorkerSide`` by hand (the connector's worker half, on a small KV
+    Builds a ``Worker`` by hand (``kvpool.connector.worker``: the connector's worker
+    half, which vLLM's adapter runs with vLLM's metadata classes; on a small KV
     cache of 16 blocks, over ``FramedStore(MooncakeStore)``) and times, per step,
     ``submit_save(job, [])`` + ``poll()`` on its engine, building an empty
-    ``KVPoolMetadata``, and the worker hooks the connector calls every step on
-    it (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
-    ``worker_meta``, ``interval_stats``), the last also alone. Imports vLLM (seconds).
+    ``StepPlan``, and the worker hooks the connector calls every step on it
+    (``start_loads``, ``start_saves``, ``finished``, ``load_errors``,
+    ``worker_meta``, ``interval_stats``), the last also alone.
     """
-    from kvpool.settings import ConnectorSettings
-    from kvpool.vllm.identity import EngineIdentity
-    from kvpool.vllm.metadata import KVPoolMetadata
-    from kvpool.vllm.worker import WorkerSide
-
     progress = on_progress or (lambda *_: None)
     shape = kv_shape_for(256 * KiB)
     kv = PagedKV(shape, 16)
@@ -85,7 +84,7 @@ def measure_hook_overhead(
             MooncakeStore(cfg), space.fingerprint, checksum=cfg.checksum, secret=cfg.secret
         )
 
-    worker = WorkerSide(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
+    worker = Worker(identity, 0, ConnectorSettings(), config, kv_cache_config, open_store)
     worker.register(dict(kv.layers))
     try:
         engine = worker.engine
@@ -104,12 +103,12 @@ def measure_hook_overhead(
         meta_ns: list[int] = []
         for _ in range(steps):
             t = clock()
-            KVPoolMetadata()
+            StepPlan()
             meta_ns.append(clock() - t)
         progress("hooks", 2, phases)
         hooks_ns: list[int] = []
         for _ in range(steps):
-            meta = KVPoolMetadata()
+            meta = StepPlan()
             t = clock()
             worker.start_loads(meta)
             worker.start_saves(meta)

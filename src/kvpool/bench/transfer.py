@@ -3,8 +3,7 @@
     run_transfer_bench(config, ...) -> TransferBench   measure; prints nothing
 
 KV caches and their shapes are ``kvpool.bench.paged_kv``'s; the worker hooks'
-idle cost (``HookOverhead``) is measured by ``kvpool.bench.hooks``, imported only
-when asked (it imports vLLM).
+idle cost (``HookOverhead``) is measured by ``kvpool.bench.hooks``.
 
 For each path (``tcp``: ``MooncakeStore(shared_memory=False)``; ``shm``:
 ``shared_memory=True``), with staged loads as the vLLM connector runs them
@@ -510,7 +509,7 @@ def run_transfer_bench(
             )
     hooks = None
     if hook_steps > 0:
-        from kvpool.bench.hooks import measure_hook_overhead  # imports vLLM
+        from kvpool.bench.hooks import measure_hook_overhead
 
         hooks = measure_hook_overhead(config, hook_steps, progress)
     return TransferBench(

@@ -188,10 +188,9 @@ def transfer_hooks_table(hooks: HookOverhead) -> Table:
     t.add_column("what")
     t.add_column("µs", justify="right")
     t.add_row("TransferEngine.submit_save(job, []) + poll()", f"{hooks.submit_poll_us:.2f}")
-    t.add_row("build an empty KVPoolMetadata", f"{hooks.metadata_us:.2f}")
+    t.add_row("build an empty step plan", f"{hooks.metadata_us:.2f}")
     t.add_row(
-        "WorkerSide start_loads + start_saves + finished + load_errors + worker_meta"
-        " + interval_stats",
+        "Worker start_loads + start_saves + finished + load_errors + worker_meta + interval_stats",
         f"{hooks.hooks_us:.2f}",
     )
     t.add_row("  of which interval_stats (get_kv_connector_stats)", f"{hooks.stats_us:.2f}")
@@ -336,7 +335,7 @@ def _have_matplotlib() -> bool:
 )  # fmt: skip
 @click.option(
     "--hook-steps", default=10_000, show_default=True, type=click.IntRange(min=0),
-    help="Idle engine steps timed for the worker-hook overhead (0 skips it; imports vLLM).",
+    help="Idle engine steps timed for the worker-hook overhead (0 skips it).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,

@@ -1,9 +1,16 @@
 """What the connector decides that is not vLLM: it imports no vLLM, and its tests
 run in the fast tier. ``kvpool.vllm`` adapts vLLM's calls onto it.
 
-    kvpool.connector.shards   a rank's KV tensors cut into the shards it holds
-    kvpool.connector.drain    save jobs by request, refused objects to retry, and
-                              finished requests whose blocks wait for their saves
+    kvpool.connector.identity  what an engine is (layout, key space, block and
+                               chunk size) and which of its groups free blocks early
+    kvpool.connector.steps     what the scheduler half plans per step and the
+                               workers report back (plain records)
+    kvpool.connector.planner   the scheduler half: lookups, load and save plans,
+                               roles, per-request limits and pins, suppression of
+                               failed chunks, blocks held for saves, KV events
+    kvpool.connector.shards    a rank's KV tensors cut into the shards it holds
+    kvpool.connector.drain     save jobs by request, refused objects to retry, and
+                               finished requests whose blocks wait for their saves
 
 What a chunk is made of and where a hit may end is the pure core's
 (``kvpool.chunks``).

@@ -12,6 +12,9 @@
     token_class(name, t, n, k, step)
                           the rows of every block of ``t`` in token class ``k`` of
                           ``n`` (runs of ``step`` tokens): a view, no copy
+    layer_number(name)    the one number among a layer name's dotted parts
+                          (``model.layers.12.attn``: 12), a ``layer_index`` for
+                          engines without vLLM's rule
 
 Views only: nothing is copied, so a shard's bytes are the engine's KV cache. A
 tensor that cannot be cut as the layout says (heads not on axis 1, a block not
@@ -30,7 +33,7 @@ import torch
 from kvpool.errors import UnsupportedEngine
 from kvpool.layout import ContentId, Layout
 
-__all__ = ["NamedViews", "shard_views", "token_class"]
+__all__ = ["NamedViews", "layer_number", "shard_views", "token_class"]
 
 NamedViews = list[tuple[str, torch.Tensor]]
 
@@ -105,3 +108,14 @@ def shard_views(
                 f"all inside its PP stage's layer bands; kvpool cannot name them"
             )
     return views, shards
+
+
+def layer_number(name: str) -> int:
+    """The one number among a KV layer name's dotted parts (``model.layers.12.attn``:
+    12); ``UnsupportedEngine`` when there is not exactly one."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise UnsupportedEngine(
+            f"KV layer {name!r} has no layer index kvpool can read; layer bands need it"
+        )
+    return numbers[0]

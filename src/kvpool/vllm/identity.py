@@ -1,9 +1,10 @@
 """What an engine is, in kvpool's terms, read from vLLM's real config and groups.
 
     engine_identity(vllm_config, kv_cache_config, chunk_size)
-        -> EngineIdentity: the Layout (sizes, KV groups and their kinds), the
-           KeySpace (model + config fingerprint), block and chunk size, DP index;
-           or UnsupportedEngine with the reason
+        -> EngineIdentity (``kvpool.connector.identity``): the Layout (sizes,
+           KV groups and their kinds), the KeySpace (model + config
+           fingerprint), block and chunk size, DP index; or UnsupportedEngine
+           with the reason
     byte_fields(model_config, cache_config)  the settings beyond sizes and dtypes
                          that change KV bytes (HF config with overrides, weights,
                          quantisation, cache dtypes), for the fingerprint
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
+from kvpool.connector.identity import EngineIdentity
 from kvpool.errors import ConfigError, LayoutError, UnsupportedEngine
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
@@ -36,33 +37,6 @@ __all__ = [
     "pp_stages",
     "worker_rank",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineIdentity:
-    layout: Layout
-    space: KeySpace
-    block_size: int  # tokens per vLLM block
-    chunk_size: int  # tokens per pool object (a multiple of block_size)
-    dp_index: int
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.block_size
-
-    @property
-    def keeps_blocks(self) -> bool:
-        """Every KV group keeps a running request's blocks until it finishes or is
-        preempted (no sliding window, no Mamba state moving on), on every rank."""
-        return self.frees_blocks_early() is None
-
-    def frees_blocks_early(self, groups: Iterable[int] | None = None) -> GroupSpec | None:
-        """The first KV group (of vLLM's group indices ``groups``; all by default)
-        that frees blocks of a running request before it ends (a sliding window, a
-        Mamba state moving on), or None: the one rule for drains and zero copy."""
-        indices = range(len(self.layout.groups)) if groups is None else groups
-        return next((self.layout.groups[g] for g in indices
-                     if not self.layout.groups[g].every_chunk), None)  # fmt: skip
 
 
 def _group_spec(spec: Any, total_kv_heads: int) -> GroupSpec:

@@ -1,7 +1,7 @@
 """Connector counters for vLLM's stats logger and Prometheus.
 
     stats_delta(now, before, depth, pressure) -> the data dict of one interval
-                      (a worker's transfers)
+                      (a worker's transfers; ``kvpool.connector.counters``)
     LookupInterval    the scheduler's lookups since the last interval
     KVPoolStats       vLLM's KVConnectorStats over those dicts: counters add up
                       across workers and intervals, dicts of counts add up by
@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvpool.transfer import TransferStats
+from kvpool.connector.counters import interval_empty, stats_delta
 
 __all__ = ["GAUGES", "KVPoolPromMetrics", "KVPoolStats", "LookupInterval", "stats_delta"]
 
@@ -61,29 +61,6 @@ LABELED = {
         "Lookups answered as a miss because they failed, by reason (timeout, ...)",
     ),
 }
-
-
-def stats_delta(
-    now: TransferStats, before: TransferStats, queue_depth: int, backpressure: bool
-) -> dict[str, Any]:
-    """Counters since ``before``, plus current gauges and failures by cause."""
-    failures = now.failures - before.failures
-    return {
-        "chunks_saved": now.chunks_put - before.chunks_put,
-        "bytes_saved": now.bytes_put - before.bytes_put,
-        "chunks_skipped": (now.chunks_skipped_known + now.chunks_skipped_exist)
-        - (before.chunks_skipped_known + before.chunks_skipped_exist),
-        "saves_refused": sum(now.saves_refused.values()) - sum(before.saves_refused.values()),
-        "chunks_refused": sum(now.chunks_refused.values()) - sum(before.chunks_refused.values()),
-        "chunks_loaded": now.chunks_loaded - before.chunks_loaded,
-        "bytes_loaded": now.bytes_loaded - before.bytes_loaded,
-        "load_failures": sum(failures.values()),
-        "backpressure_events": now.backpressure_events - before.backpressure_events,
-        "puts_no_space": now.puts_no_space - before.puts_no_space,
-        "failures_by_cause": dict(failures),
-        "queue_depth": queue_depth,
-        "backpressure": int(backpressure),
-    }
 
 
 class LookupInterval:
@@ -134,8 +111,7 @@ class KVPoolStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        active = ("chunks_saved", "chunks_loaded", "load_failures", "saves_refused", "lookups")
-        return not any(self.data.get(k) for k in (*active, "chunks_skipped"))
+        return interval_empty(self.data)
 
 
 class KVPoolPromMetrics(KVConnectorPromMetrics):

@@ -1,0 +1,599 @@
+"""The worker half (``kvpool.connector.worker``) over in-memory stores, in the fast tier:
+reconnects, zero copy, idle waits, pins, refused saves and their drain, shards.
+``tests/vllm/test_worker_side.py`` checks vLLM's parts."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tests.factories import key_space
+
+from kvpool.config import PoolConfig
+from kvpool.connector.identity import EngineIdentity
+from kvpool.connector.steps import ChunkOp, RequestOps, StepPlan
+from kvpool.connector.worker import IDLE_WAIT_S, Worker
+from kvpool.layout import Layout
+from kvpool.settings import ConnectorSettings
+from kvpool.store.base import KVStore, Status
+from kvpool.store.memory import MemoryStore
+from kvpool.store.scatter import Segments
+from kvpool.transfer import TransferStats
+
+B, NB = 32, 16  # tokens per block, blocks
+
+
+def identity(tp: int = 1, kv_heads: int = 1, window: int = 0) -> EngineIdentity:
+    layout = Layout.create(tp=tp, groups=[f"gqa:{kv_heads}" + (f":w{window}" if window else "")])
+    space = key_space(layout, chunk_size=B)
+    return EngineIdentity(layout, space, B, B, 0)
+
+
+def kv_caches(heads: int = 1) -> dict[str, torch.Tensor]:
+    """Two layers in vLLM's per-layer view [blocks, heads, block_size, K and V]
+    (the CPU backend's): 32 KiB per chunk of one KV head."""
+    return {f"l{i}": torch.randn(NB, heads, B, 128) for i in range(2)}
+
+
+def ops(req: str, blocks: list[int]) -> RequestOps:
+    chunks = tuple(ChunkOp(i, bytes([i + 1]) * 8, ((b,),)) for i, b in enumerate(blocks))
+    return RequestOps(req, chunks)
+
+
+def finished_within(worker: Worker, req: str, timeout: float = 10.0) -> tuple[bool, bool]:
+    """Poll like vLLM's step loop until ``req`` is reported; (done, failed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, failed = worker.finished()
+        if req in done:
+            return True, req in failed
+        time.sleep(0.01)
+    return False, False
+
+
+def test_a_dead_store_client_is_replaced_and_service_resumes() -> None:
+    shared = MemoryStore(capacity=1 << 30)  # the pool; each client below is a view of it
+    opened: list[KVStore] = []
+
+    class Client(MemoryStore):
+        """A client of ``shared`` that can die (then every call is UNAVAILABLE)."""
+
+        def __init__(self) -> None:
+            super().__init__(capacity=1 << 30)
+            self._objects = shared._objects
+            self.dead = False
+
+        def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+            return [Status.UNAVAILABLE] * len(keys) if self.dead else super()._get(keys, segments)
+
+        def close(self) -> None:  # closing a client keeps the pool's objects
+            self._objects = OrderedDict()
+            super().close()
+
+    def open_store(_: PoolConfig) -> KVStore:
+        opened.append(Client())
+        return opened[-1]
+
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()
+    worker = Worker(identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, open_store)
+    worker.register(caches)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))
+    assert worker.engine is not None
+    worker.engine.wait([("save", 0)], timeout=10)
+
+    first = opened[0]
+    assert isinstance(first, Client)
+    first.dead = True  # e.g. a same-host client whose holder was killed
+    worker.start_loads(StepPlan(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, True)
+    assert worker.load_errors() == {5, 6}
+    # A new client is opened in the background and adopted at a later step.
+    deadline = time.monotonic() + 10
+    while not (len(opened) == 2 and worker.engine is not None) and time.monotonic() < deadline:
+        worker.finished()
+        time.sleep(0.01)
+    assert len(opened) == 2 and worker.engine is not None and worker.store is opened[1]
+    worker.start_loads(StepPlan(loads=[ops("c", [9, 10])]))
+    assert finished_within(worker, "c") == (True, False)
+    for src, dst in ((1, 9), (2, 10)):
+        for t in caches.values():
+            assert torch.equal(t[src], t[dst])
+    stats = worker.stats()
+    assert stats is not None and stats.chunks_loaded == 2 and stats.chunks_put == 2
+    worker.close()
+
+
+def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests() -> None:
+    import threading
+
+    release = threading.Event()
+    puts: list[int] = []
+
+    class Pool(MemoryStore):
+        """Reaches only its own memory (like a shared-memory client); puts wait."""
+
+        @property
+        def requires_staging(self) -> bool:
+            return True
+
+        def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+            assert release.wait(10)
+            puts.append(len(keys))
+            return super()._put(keys, segments)
+
+    store = Pool(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()
+    before = {n: t.clone() for n, t in caches.items()}
+    settings = ConnectorSettings(zero_copy=True)
+    worker = Worker(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store, events=True)
+    worker.register(caches)
+    assert worker.engine is not None and worker.engine.zero_copy
+    for n, t in caches.items():  # same tensors, now in the store's memory, same bytes
+        assert store.reaches(t.data_ptr(), t.nbytes) and torch.equal(t, before[n])
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2]), ops("b", [3])]))
+    assert worker.saves_in_flight > 0
+    worker.flush_saves(frozenset({"other"}))  # no save of a freed request: returns at once
+    assert puts == []
+    flusher = threading.Thread(target=worker.flush_saves, args=(frozenset({"a"}),))
+    flusher.start()
+    flusher.join(0.2)
+    assert flusher.is_alive()  # blocks of "a" are still being read: the step waits
+    release.set()
+    flusher.join(10)
+    assert not flusher.is_alive() and sum(puts) >= 2
+    # The save results taken by the flush still reach the scheduler.
+    worker.finished()
+    deadline = time.monotonic() + 10
+    stored: dict[bytes, int] = {}
+    while len(stored) < 2 and time.monotonic() < deadline:
+        worker.finished()
+        meta = worker.worker_meta()
+        if meta is not None:
+            stored.update(meta.stored)
+        time.sleep(0.01)
+    assert len(stored) == 2  # a's two chunks (b's chunk 0 shares a's first hash)
+    assert worker.saves_in_flight == 0
+    worker.start_loads(StepPlan(loads=[ops("c", [9, 10])]))
+    assert finished_within(worker, "c") == (True, False)
+    for t in caches.values():
+        assert torch.equal(t[1], t[9]) and torch.equal(t[2], t[10])
+    worker.close()
+
+
+def test_zero_copy_stays_off_for_kv_groups_that_free_blocks_of_running_requests() -> None:
+    """One rule (``EngineIdentity.frees_blocks_early``) for drains and zero copy: a
+    sliding-window group frees blocks of running requests, so zero copy stays off."""
+    full, windowed = identity(), identity(window=64)
+    assert full.keeps_blocks and full.frees_blocks_early() is None
+    odd = windowed.frees_blocks_early()
+    assert not windowed.keeps_blocks and odd is not None and odd.window == 64
+    assert windowed.frees_blocks_early([]) is None  # a rank holding none of its groups
+    kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])])
+    store = MemoryStore(capacity=1 << 28)
+    settings = ConnectorSettings(zero_copy=True)
+    worker = Worker(windowed, 0, settings, PoolConfig(), kv, lambda _: store)
+    worker.register(kv_caches())
+    assert worker.engine is not None and not worker.engine.zero_copy
+    worker.close()
+    other = MemoryStore(capacity=1 << 28)  # the worker closed the first one
+    worker = Worker(full, 0, settings, PoolConfig(), kv, lambda _: other)
+    worker.register(kv_caches())
+    assert worker.engine is not None and worker.engine.zero_copy  # the control
+    worker.close()
+
+
+def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -> None:
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    settings, pool = ConnectorSettings(), PoolConfig()
+    worker = Worker(identity(), 0, settings, pool, kv_config, lambda _: store)
+    worker.register(kv_caches())
+    engine = worker.engine
+    assert engine is not None
+    assert worker.interval_stats() is None  # nothing happened yet
+    version = engine.stats_version
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))
+    engine.wait([("save", 0)], timeout=10)
+    assert engine.stats_version != version
+    data = worker.interval_stats()
+    assert data is not None and data["chunks_saved"] == 2
+    snapshots = 0
+    real_stats = engine.stats
+
+    def counted() -> TransferStats:
+        nonlocal snapshots
+        snapshots += 1
+        return real_stats()
+
+    engine.stats = counted  # type: ignore[method-assign]
+    for _ in range(100):  # idle steps: reported once, then no snapshot at all
+        assert worker.interval_stats() is None
+    assert snapshots == 0
+    worker.start_loads(StepPlan(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, False)
+    data = worker.interval_stats()
+    assert data is not None and data["chunks_loaded"] == 2 and data["chunks_saved"] == 0
+    assert snapshots == 1
+    worker.close()
+
+
+def plain_worker() -> tuple[Worker, MemoryStore]:
+    """A registered TP1 worker over a 1 GiB memory store, default settings."""
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    worker = Worker(identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store)
+    worker.register(kv_caches())
+    return worker, store
+
+
+def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
+    """vLLM's engine and workers spin while one waits for another; a rank with no
+    load of its own that returned at once spun beside them and, on two cores,
+    starved the holder serving the other rank's load (30 s, then a miss)."""
+    worker, _ = plain_worker()
+    for _ in range(3):
+        start = time.monotonic()
+        assert worker.finished(idle=True) == (set(), set())
+        assert time.monotonic() - start >= IDLE_WAIT_S
+    worker.close()
+
+
+def test_a_save_of_a_request_with_a_pin_pins_its_objects() -> None:
+    """RequestOps.pin_ms (the request's pin_seconds) reaches the store's put, through
+    the framing, for that request's objects only."""
+    worker, store = plain_worker()
+    a, b = ops("a", [1, 2]), RequestOps("b", (ChunkOp(0, b"\x09" * 8, ((3,),)),))
+    pinned = RequestOps(a.req_id, a.chunks, a.fresh_from, pin_ms=60_000)
+    worker.start_saves(StepPlan(saves=[pinned, b]))
+    assert worker.engine is not None and worker.engine.wait_any(10)
+    deadline = time.monotonic() + 10
+    while len(store.keys()) < 3 and time.monotonic() < deadline:
+        worker.engine.wait_any(0.1)
+    stored = store.keys()  # a list, not a dict's view
+    assert len(stored) == 3
+    assert sorted(map(store.pinned, stored)) == [False, True, True]
+    worker.close()
+
+
+class SlowPuts(MemoryStore):
+    """Puts wait for ``release``: a pool slower than the engine for a while."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__(capacity=1 << 30)
+        self.release = release
+
+    def _put(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        assert self.release.wait(30)
+        return super()._put(keys, segments)
+
+
+def slow_worker(release: threading.Event) -> tuple[Worker, SlowPuts, dict[str, torch.Tensor]]:
+    """A worker whose save staging holds two chunk objects, over a ``SlowPuts`` pool."""
+    store = SlowPuts(release)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()  # 32 KiB per chunk object
+    # 128 KiB of staging: 64 KiB for saves (two objects), 64 KiB for staged loads.
+    settings = ConnectorSettings(staging_bytes=128 << 10)
+    worker = Worker(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    worker.register(caches)
+    return worker, store, caches
+
+
+def test_a_save_refused_for_busy_staging_is_retried_by_the_worker_until_stored() -> None:
+    release = threading.Event()
+    worker, store, caches = slow_worker(release)
+    engine = worker.engine
+    assert engine is not None and engine.load_mode == "staged"
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3, 4, 5])]))
+    assert engine.saves_blocked  # staging full, its wait ran out: refused at once now
+    # Saves stall, loads do not: they have staging of their own. Objects written
+    # before (by "another engine") load while the puts are stuck.
+    chunk_hash = bytes([1]) * 8
+    key = worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], chunk_hash)
+    other = MemoryStore(capacity=1 << 20)
+    other._objects = store._objects  # the same pool, a client whose puts are not stuck
+    obj = torch.full((2, 1, B, 128), 3.0)
+    assert other.batch_put([key], [[(obj.data_ptr(), obj.nbytes)]]) == [Status.OK]
+    worker.start_loads(StepPlan(loads=[ops("b", [9])]))
+    assert finished_within(worker, "b") == (True, False)
+    assert all(bool((t[9] == 3.0).all()) for t in caches.values())
+    release.set()
+    keys = {worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], bytes([i]) * 8)
+            for i in range(2, 6)}  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not keys <= store._objects.keys() and time.monotonic() < deadline:
+        worker.finished()
+        worker.start_saves(StepPlan())  # each step: refused objects go again
+        time.sleep(0.01)
+    assert keys <= store._objects.keys()  # chunks 2-4, refused at first, are in the pool
+    assert worker.worker_meta() is None  # nothing for the scheduler to plan again
+    assert worker.engine is engine and worker.store is store  # not retired
+    stats = worker.stats()
+    assert stats is not None and stats.chunks_refused["staging_busy"] >= 3
+    assert stats.chunks_put + stats.chunks_skipped_exist == 5  # chunk 0 was there already
+    worker.close()
+
+
+def test_a_finished_request_is_released_once_its_refused_saves_are_stored() -> None:
+    release = threading.Event()
+    worker, store, _ = slow_worker(release)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3, 4])]))
+    # "a" finished; vLLM keeps its blocks. Another finishing request had no save
+    # on this rank: it is released at the next poll.
+    worker.start_saves(StepPlan(finishing=frozenset({"a", "idle"})))
+    worker.finished()
+    assert worker.released() == {"idle"}
+    for _ in range(3):  # its puts are stuck: not released
+        worker.finished()
+        worker.start_saves(StepPlan())
+        assert worker.released() == set()
+    release.set()
+    got: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        worker.finished(idle=True)
+        got = worker.released()
+        worker.start_saves(StepPlan())
+    assert got == {"a"}
+    assert len(store._objects) == 4  # every object, the refused ones too
+    worker.finished()
+    assert worker.released() == set()  # reported once
+    worker.close()
+
+
+def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvpool.connector.drain as drain_module
+
+    release = threading.Event()
+    worker, _, _ = slow_worker(release)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3]), ops("p", [4, 5, 6])]))
+    release.set()
+    deadline = time.monotonic() + 10
+    while worker._book.has_jobs and time.monotonic() < deadline:  # the first jobs end
+        worker.finished()
+        time.sleep(0.01)
+    assert worker._book.retrying == {"a", "p"}
+    # "p" is preempted (its blocks are freed): its refused objects are dropped.
+    # "a" finished; a new save fills staging again, so saves are blocked and its
+    # retry waits, past the drain limit.
+    release.clear()
+    monkeypatch.setattr(drain_module, "DRAIN_LIMIT_S", 0.0)
+    other = RequestOps("x", tuple(ChunkOp(i, bytes([50 + i]) * 8, ((7 + i,),)) for i in range(3)))
+    worker.start_saves(StepPlan(saves=[other], freed=frozenset({"p"}), finishing=frozenset({"a"})))
+    assert worker.engine is not None and worker.engine.saves_blocked
+    assert worker._book.retrying == {"a"}
+    with caplog.at_level(logging.WARNING, logger="kvpool.connector.drain"):
+        got: set[str] = set()
+        while not got and time.monotonic() < deadline:
+            worker.finished()
+            got = worker.released()
+            time.sleep(0.01)
+    assert got == {"a"}  # given up: its blocks go back to vLLM
+    assert "gave up saving" in caplog.text
+    release.set()
+    worker.close()
+
+
+def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_read() -> None:
+    """TP1 with 2 KV heads saves one object per head, each that head's slice of
+    every layer; the two ranks of a TP2 engine (one head each) load them into
+    their own tensors, byte for byte. And the other way round."""
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+
+    class View(MemoryStore):
+        """Each worker's own client of one pool: closing it leaves the pool alone."""
+
+        def __init__(self, _: PoolConfig) -> None:
+            super().__init__(capacity=1 << 30)
+            self._objects = store._objects
+
+        def close(self) -> None:
+            self._objects = OrderedDict()
+            super().close()
+
+    client = View
+
+    def worker(tp: int, rank: int, caches: dict[str, torch.Tensor]) -> Worker:
+        w = Worker(identity(tp, 2), rank, ConnectorSettings(), PoolConfig(), kv_config,
+                       client)  # fmt: skip
+        w.register(caches)
+        return w
+
+    def save(w: Worker, blocks: list[int]) -> None:
+        w.start_saves(StepPlan(saves=[ops("s", blocks)]))
+        assert w.engine is not None
+        results = w.engine.wait(w._book.jobs, timeout=10)
+        assert results and all(r.ok for r in results)
+
+    one = kv_caches(heads=2)
+    tp1 = worker(1, 0, one)
+    save(tp1, [3, 4])
+    assert len(store._objects) == 2 * 2  # chunks x heads
+    halves = [kv_caches(heads=1) for _ in range(2)]
+    for rank, caches in enumerate(halves):
+        w = worker(2, rank, caches)
+        w.start_loads(StepPlan(loads=[ops("l", [7, 8])]))
+        assert finished_within(w, "l") == (True, False)
+        for name, t in caches.items():
+            assert torch.equal(t[7:9, 0], one[name][3:5, rank])
+        w.close()
+    tp1.close()
+    # TP2 ranks write chunks of other hashes (blocks 1, 2); TP1 reads both heads.
+    store._objects.clear()
+    for rank, caches in enumerate(halves):
+        w = worker(2, rank, caches)
+        save(w, [7, 8])
+        w.close()
+    fresh = kv_caches(heads=2)
+    tp1 = worker(1, 0, fresh)
+    tp1.start_loads(StepPlan(loads=[ops("l", [10, 11])]))
+    assert finished_within(tp1, "l") == (True, False)
+    for name, t in fresh.items():
+        for head in range(2):
+            assert torch.equal(t[10:12, head], halves[head][name][7:9, 0])
+    tp1.close()
+
+
+def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_alone() -> None:
+    """Two layers in bands 0 and 1, two token classes: one object per band and
+    class of each chunk, each that band's layer and every other token; a fresh
+    worker loads them back into other blocks byte for byte."""
+    store = MemoryStore(capacity=1 << 30)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv_config = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=names)])
+    layout = Layout.create(groups=["gqa:1"], layers=2, layer_bands=[0, 1], token_classes=2)
+    space = key_space(layout, chunk_size=B)  # fmt: skip
+    ident = EngineIdentity(layout, space, B, B, 0)
+
+    def worker(caches: dict[str, torch.Tensor]) -> Worker:
+        w = Worker(ident, 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store)
+        w.register(caches)
+        assert w.engine is not None
+        return w
+
+    saved = {n: t for n, t in zip(names, kv_caches().values(), strict=True)}
+    w = worker(saved)
+    w.start_saves(StepPlan(saves=[ops("s", [3])]))
+    assert w.engine is not None
+    assert all(r.ok for r in w.engine.wait(w._book.jobs, timeout=10))
+    assert len(store._objects) == 2 * 2  # bands x token classes
+    fresh = {n: torch.zeros_like(t) for n, t in saved.items()}
+    r = worker(fresh)
+    r.start_loads(StepPlan(loads=[ops("l", [9])]))
+    assert finished_within(r, "l") == (True, False)
+    for n in names:
+        assert torch.equal(fresh[n][9], saved[n][3])
+
+
+def test_a_kv_tensor_whose_heads_cannot_be_found_leaves_the_worker_idle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    w = Worker(identity(1, 2), 0, ConnectorSettings(), PoolConfig(), kv_config,
+                   lambda _: MemoryStore(capacity=1 << 30))  # fmt: skip
+    with caplog.at_level(logging.ERROR):
+        w.register({f"l{i}": torch.randn(NB, B, 256) for i in range(2)})  # no head axis
+    assert w.engine is None
+    assert "kvpool cannot name its heads" in caplog.text
+
+
+def test_staging_smaller_than_one_chunk_stops_the_engine_at_start_with_the_size_to_set() -> None:
+    import pytest
+
+    from kvpool.errors import ConfigError
+
+    store = MemoryStore(capacity=1 << 30)
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    settings = ConnectorSettings(staging_bytes=32 << 10, load_mode="staged")  # 16 KiB a side
+    worker = Worker(identity(), 0, settings, PoolConfig(), kv_config, lambda _: store)
+    with pytest.raises(ConfigError, match=r"raise staging_bytes to at least \d+ bytes"):
+        worker.register(kv_caches())  # one chunk object is 32 KiB
+
+
+def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks() -> None:
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    store = MemoryStore(capacity=1 << 28)
+    full = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    window = SlidingWindowSpec.__new__(SlidingWindowSpec)  # only its kind is read
+    sliding = SimpleNamespace(
+        num_blocks=NB,
+        kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=window)],
+    )
+    for config, events, retry in (
+        (full, False, True),
+        (full, True, False),
+        (sliding, False, False),
+    ):
+        ident = identity(window=64 if config is sliding else 0)  # as vLLM's groups say
+        worker = Worker(
+            ident, 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
+        )
+        worker.register(kv_caches())
+        assert worker.retries_saves is retry, (events, config is sliding)
+        worker.close()
+
+
+def test_kv_tensors_off_the_host_are_refused_and_the_worker_stays_idle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    opened: list[KVStore] = []
+
+    def open_store(_: PoolConfig) -> KVStore:
+        opened.append(MemoryStore())
+        return opened[-1]
+
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    # "meta" tensors stand in for device memory: no host address behind them.
+    caches = {f"l{i}": torch.empty(NB, 2, B, 64, device="meta") for i in range(2)}
+    worker = Worker(identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, open_store)
+    with caplog.at_level(logging.ERROR, logger="kvpool"):
+        worker.register(caches)
+    assert worker.engine is None and not opened  # no store opened, no copy planned
+    assert "KV tensors on meta" in caplog.text and "stays idle" in caplog.text
+    worker.start_loads(StepPlan(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, True)  # a miss: vLLM recomputes
+
+
+def test_a_finishing_request_is_noted_at_load_time_too() -> None:
+    """vLLM may skip a rank's ``wait_for_save`` (spec decode defers it; a non-last
+    PP rank may return early): finishing requests are noted from ``start_loads``
+    as well, so every rank reports them."""
+    worker, _, _ = slow_worker(threading.Event())
+    worker.start_loads(StepPlan(finishing=frozenset({"x"})))
+    worker.finished()
+    assert worker.released() == {"x"}
+    worker.close()
+
+
+def test_chunks_the_lookup_found_missing_are_put_again_though_put_before() -> None:
+    """A worker skips keys it stored recently without a store call; once the pool
+    evicted them, the scheduler's lookup says so (``fresh_from``) and they go again."""
+    worker, store = plain_worker()
+
+    def save(fresh_from: int | None) -> None:
+        worker.start_saves(
+            StepPlan(saves=[RequestOps("a", ops("a", [1, 2, 3]).chunks, fresh_from)])
+        )
+        assert worker.engine is not None and worker.engine.wait_any(10)
+        worker.finished()
+
+    save(None)
+    assert len(store._objects) == 3
+    store.batch_remove(list(store._objects), force=True)  # the pool evicted them
+    save(None)  # no lookup said: remembered, skipped
+    assert not store._objects
+    save(fresh_from=1)  # the lookup found chunks 1 and 2 missing
+    assert len(store._objects) == 2
+    worker.close()

@@ -11,7 +11,7 @@ from rich.console import Console
 from tests.factories import key_space
 
 from kvpool.cli.app import run
-from kvpool.cli.pool_cmd import (
+from kvpool.cli.pool_render import (
     format_bytes,
     kv_transfer_config,
     namespace_table,
@@ -234,7 +234,7 @@ def test_namespace_bytes_add_each_content_ids_keys_times_its_objects_size(
 
 
 def test_durations_and_ages_read_and_print_as_an_operator_writes_them() -> None:
-    from kvpool.cli.pool_cmd import format_age, parse_duration
+    from kvpool.cli.pool_render import format_age, parse_duration
 
     assert [parse_duration(v) for v in ("90s", "10m", "2.5h", "7d", " 1 h ")] == [
         90, 600, 9000, 604800, 3600,

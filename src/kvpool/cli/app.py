@@ -27,7 +27,8 @@ from kvpool.cli.bench_cmd import bench
 from kvpool.cli.chaos_cmd import chaos
 from kvpool.cli.console import console
 from kvpool.cli.demo_cmd import demo
-from kvpool.cli.pool_cmd import down, purge, status, up
+from kvpool.cli.pool_cmd import down, status, up
+from kvpool.cli.purge_cmd import purge
 from kvpool.errors import KVPoolError
 from kvpool.keys import KeySpace
 from kvpool.layout import GroupSpec, Layout, even_stages

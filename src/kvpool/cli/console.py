@@ -1,11 +1,16 @@
 """The one rich console every ``kvpool`` command prints on, phase progress bars, and
 the compact table the benches print (``bench_table``: a rule under the header, no
-frame, so a row fits 80 columns)."""
+frame, so a row fits 80 columns), and ``mooncake_quiet``: Mooncake's C++ log lines
+kept out of a command's output."""
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Sequence
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
 
 from rich import box
 from rich.console import Console
@@ -73,3 +78,23 @@ class PhaseBars:
 
     def __exit__(self, *exc: object) -> None:
         self._bars.stop()
+
+
+@contextlib.contextmanager
+def mooncake_quiet() -> Iterator[None]:
+    """Mooncake's C++ log lines (written to fd 2 whatever the log level) kept out of
+    a command's output; shown after all if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        failed = True
+        try:
+            yield
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            if failed:
+                caught.seek(0)
+                os.write(2, caught.read()[-8000:])

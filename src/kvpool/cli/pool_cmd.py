@@ -1,4 +1,5 @@
-"""``kvpool up``, ``down`` and ``status``: a local pool run from the pool file.
+"""``kvpool up``, ``down`` and ``status``: a local pool run from the pool file
+(what they print: ``kvpool.cli.pool_render``; ``kvpool purge``: ``purge_cmd``).
 
     up       start master + holder in their own session (they outlive the command),
              write the pool file, print where the pool is and the vLLM flag to use;
@@ -13,7 +14,6 @@
 
 The pool file is ``kvpool.config.pool_file_path()`` (``$KVPOOL_POOL_FILE``, else
 ``$KVPOOL_HOME/pool.json``, else ``~/.kvpool/pool.json``); logs sit beside it.
-Table builders return rich renderables and print nothing.
 """
 
 from __future__ import annotations
@@ -26,24 +26,24 @@ import logging
 import os
 import re
 import secrets
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console, Group
-from rich.table import Table
+from rich.console import Console
 
+from kvpool.cli.console import mooncake_quiet
+from kvpool.cli.pool_render import (
+    kv_transfer_config,
+    status_json,
+    status_view,
+    up_summary,
+)
 from kvpool.config import parse_size, pool_file_path
-from kvpool.errors import ConfigError, KVPoolError, LayoutError, StoreUnavailable
-from kvpool.keys import check_tenant
+from kvpool.errors import ConfigError, KVPoolError, StoreUnavailable
 from kvpool.pool import (
     LocalPool,
-    NamespaceSummary,
-    PoolStatus,
     pool_status,
 )
 from kvpool.pool.local import LEASE_TTL_MS
@@ -54,222 +54,6 @@ def _console() -> Console:
     from kvpool.cli.console import console
 
     return console
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def format_bytes(n: int | None) -> str:
-    """``1.0 GiB``-style sizes; ``?`` when unknown."""
-    if n is None:
-        return "?"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def format_age(seconds: float) -> str:
-    """``45 s``, ``12 min``, ``3.2 h``, ``2.1 d``."""
-    if seconds < 120:
-        return f"{max(0.0, seconds):.0f} s"
-    if seconds < 3600:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} d"
-
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(value: str) -> float:
-    """Seconds of ``90s``, ``10m``, ``2.5h``, ``7d``; ``ValueError`` naming the form."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", value)
-    if not m:
-        raise ValueError(
-            f"a duration is a number and a unit s, m, h or d (90s, 2h, 7d), got {value!r}"
-        )
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-
-def _oldest_age(status: PoolStatus, now_ms: int) -> float | None:
-    if status.oldest_written_ms is None:
-        return None
-    return max(0.0, (now_ms - status.oldest_written_ms) / 1000)
-
-
-def kv_transfer_config(pool_file: str | Path) -> str:
-    """The ``--kv-transfer-config`` JSON that points vLLM at this pool file."""
-    return json.dumps(
-        {
-            "kv_connector": "KVPoolConnector",
-            "kv_connector_module_path": "kvpool.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"pool_file": str(pool_file)},
-        },
-        separators=(",", ":"),
-    )
-
-
-def _process_label(pool: LocalPool | PoolStatus, role: str) -> str:
-    procs = pool.processes() if isinstance(pool, LocalPool) else pool.processes
-    for r, pid, running in procs:
-        if r == role:
-            return f"pid {pid}" + ("" if running else ", not running")
-    return "not ours" if role == "master" else "none"
-
-
-def up_summary(pool: LocalPool, pool_file: Path) -> Table:
-    """Where a freshly started pool is: addresses, PIDs, files."""
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("master", f"{pool.master_address}  ({_process_label(pool, 'master')})")
-    t.add_row(
-        "holder",
-        f"{pool.holder_address}  ({_process_label(pool, 'holder')}, "
-        f"{format_bytes(pool.segment_size)})",
-    )
-    t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
-    t.add_row("pool file", str(pool_file))
-    if pool.secret:
-        t.add_row("secret", "objects are signed; the secret is in the pool file (mode 0600)")
-    if pool.disk_dir:
-        limit = f", at most {format_bytes(pool.disk_bytes)}" if pool.disk_bytes else ""
-        t.add_row("disk", f"evicted objects kept in {pool.disk_dir}{limit}")
-    t.add_row("logs", f"{pool.home / 'master.log'}, {pool.home / 'holder.log'}")
-    return t
-
-
-def status_table(status: PoolStatus, pool_file: Path) -> Table:
-    """One pool's processes and the master's gauges."""
-    t = Table(title="kvpool pool", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("pool file", str(pool_file))
-    t.add_row("master", f"{status.master_address}  ({_process_label(status, 'master')})")
-    if status.holder_address:
-        t.add_row("holder", f"{status.holder_address}  ({_process_label(status, 'holder')})")
-    if not status.reachable:
-        t.add_row("state", f"[red]master not answering[/red]: {status.error.splitlines()[0]}")
-        return t
-    t.add_row("keys", "?" if status.keys is None else str(status.keys))
-    used, cap = status.used_bytes, status.capacity_bytes
-    share = f" ({100 * used / cap:.1f}%)" if used is not None and cap else ""
-    t.add_row("memory", f"{format_bytes(used)} used of {format_bytes(cap)}{share}")
-    if status.evicted_objects is not None:
-        t.add_row(
-            "evicted",
-            f"{status.evicted_objects} objects, {format_bytes(status.evicted_bytes)} since start"
-            + ("" if status.refused_puts is None else
-               f"; {status.refused_puts} puts found the pool full (written once it evicted)"),
-        )  # fmt: skip
-    age = _oldest_age(status, int(time.time() * 1000))
-    if age is not None:
-        t.add_row(
-            "oldest",
-            f"written {format_age(age)} ago (the oldest of {status.ages_sampled} objects read)",
-        )
-    t.add_row("clients", "?" if status.clients is None else str(status.clients))
-    segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
-    t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
-    hosts = status.hosts()
-    if len(hosts) > 1:  # a pool across hosts: memory (and keys) per host
-        t.add_row("hosts", "\n".join(
-            f"{h}: {format_bytes(u)} used of {format_bytes(c)} ({n} segment{'s' * (n > 1)})"
-            + _host_keys(status, h)
-            for h, (n, u, c) in hosts.items()
-        ))  # fmt: skip
-    return t
-
-
-def _host_keys(status: PoolStatus, host: str) -> str:
-    if not status.host_keys_sampled:
-        return ""
-    n = status.host_keys.get(host, 0)
-    estimated = status.keys is not None and status.host_keys_sampled < status.keys
-    return f", {'~' if estimated else ''}{n} keys"
-
-
-def namespace_table(summary: NamespaceSummary) -> Table:
-    """Keys per kvpool namespace and KV group, and a row for keys of other users;
-    a tenant column when some keys are in a tenant's space ("-": of no tenant)."""
-    t = Table(title="keys by namespace", title_justify="left")
-    tenants = any(row.tenant for row in summary.rows)
-    if tenants:
-        t.add_column("tenant")
-    t.add_column("model")
-    t.add_column("fingerprint")
-    t.add_column("group", justify="right")
-    t.add_column("contents", justify="right")
-    t.add_column("keys", justify="right")
-    t.add_column("bytes", justify="right")
-    for row in summary.rows:
-        cells = [row.model, row.fingerprint, f"g{row.group}", str(row.contents), str(row.keys)]
-        t.add_row(*([row.tenant or "-"] if tenants else []), *cells, format_bytes(row.bytes))
-    if summary.other or not summary.rows:
-        t.add_row(*([""] if tenants else []), "(other)", "", "", "", str(summary.other), "")
-    return t
-
-
-def status_view(status: PoolStatus, pool_file: Path) -> Group:
-    """Everything ``kvpool status`` prints."""
-    parts: list[Table] = [status_table(status, pool_file)]
-    ns = status.namespaces
-    if ns is not None and (ns.rows or ns.other):
-        parts.append(namespace_table(ns))
-    return Group(*parts)
-
-
-def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
-    """``kvpool status --json``: the same facts as one JSON object."""
-    ns = status.namespaces
-    return {
-        "pool_file": str(pool_file),
-        "master_address": status.master_address,
-        "holder_address": status.holder_address,
-        "metrics_url": status.metrics_url,
-        "processes": [{"role": r, "pid": p, "running": ok} for r, p, ok in status.processes],
-        "reachable": status.reachable,
-        "error": status.error,
-        "keys": status.keys,
-        "used_bytes": status.used_bytes,
-        "capacity_bytes": status.capacity_bytes,
-        "clients": status.clients,
-        "evicted_objects": status.evicted_objects,
-        "evicted_bytes": status.evicted_bytes,
-        "refused_puts": status.refused_puts,
-        "oldest_object_age_s": _oldest_age(status, int(time.time() * 1000)),
-        "ages_sampled": status.ages_sampled,
-        "segments": dict(status.segments),
-        "hosts": {
-            h: {"segments": n, "used_bytes": u, "capacity_bytes": c}
-            | ({"keys": status.host_keys.get(h, 0)} if status.host_keys_sampled else {})
-            for h, (n, u, c) in status.hosts().items()
-        },
-        "host_keys_sampled": status.host_keys_sampled,
-        "namespaces": None
-        if ns is None
-        else {
-            "rows": [
-                {
-                    "tenant": r.tenant,
-                    "model": r.model,
-                    "fingerprint": r.fingerprint,
-                    "group": r.group,
-                    "contents": r.contents,
-                    "keys": r.keys,
-                    "bytes": r.bytes,
-                }
-                for r in ns.rows
-            ],
-            "other": ns.other,
-        },
-    }
 
 
 # --------------------------------------------------------------------------- commands
@@ -283,13 +67,6 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     if size <= 0:
         raise click.BadParameter("must be > 0")
     return size
-
-
-def _duration(value: str) -> float:
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
 
 
 def _check_metrics_url(url: str) -> None:
@@ -512,26 +289,6 @@ def _head_reader(pool: LocalPool) -> Iterator[Any]:
             yield store.read_heads
 
 
-@contextlib.contextmanager
-def mooncake_quiet() -> Iterator[None]:
-    """Mooncake's C++ log lines (written to fd 2 whatever the log level) kept out of
-    a command's output; shown after all if the block raises."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
-        failed = True
-        try:
-            yield
-            failed = False
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            if failed:
-                caught.seek(0)
-                os.write(2, caught.read()[-8000:])
-
-
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def status(as_json: bool) -> None:
@@ -551,140 +308,4 @@ def status(as_json: bool) -> None:
         raise KVPoolError(f"the master at {pool.master_address} is not answering: {reason}")
 
 
-@click.command()
-@click.option(
-    "--model", default=None, help="Remove the objects of this model (its name as served)."
-)
-@click.option(
-    "--fingerprint",
-    default=None,
-    metavar="HEX",
-    help="Remove the objects of this config fingerprint (`kvpool status` lists them; at "
-    "least 4 hex digits), of one model or of all.",
-)
-@click.option(
-    "--tenant",
-    default=None,
-    help="Remove the objects of this tenant (the connector's `tenant` setting); with "
-    "--model or --fingerprint, only those of it. Without it they match every tenant.",
-)
-@click.option(
-    "--older-than",
-    default=None,
-    metavar="DURATION",
-    callback=lambda ctx, param, v: None if v is None else _duration(v),
-    help="Remove objects written longer ago than this (90s, 10m, 2h, 7d; the time in "
-    "each object's header); with --tenant/--model/--fingerprint, only theirs.",
-)
-@click.option("--all", "everything", is_flag=True, help="Remove every kvpool object.")
-@click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
-@click.option(
-    "--wait",
-    default=5.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds to retry objects in use (an engine reading them holds a lease).",
-)
-def purge(
-    model: str | None,
-    fingerprint: str | None,
-    tenant: str | None,
-    older_than: float | None,
-    everything: bool,
-    dry_run: bool,
-    wait: float,
-) -> None:
-    """Remove a tenant's or a model's objects, or old ones, from the running pool
-    (safe while engines run)."""
-    from kvpool.pool.ages import written_before, written_times
-    from kvpool.pool.master_api import key_bytes, master_keys
-    from kvpool.pool.purge import purge as remove
-    from kvpool.pool.purge import select
-    from kvpool.store.mooncake import MooncakeStore
-
-    named = (model, fingerprint, tenant, older_than)
-    if everything == any(v is not None for v in named):
-        raise click.UsageError(
-            "name what to remove: --tenant, --model, --fingerprint and/or --older-than, or --all"
-        )
-    if tenant is not None:
-        try:
-            check_tenant(tenant)
-        except LayoutError as exc:
-            raise click.BadParameter(str(exc), param_hint="--tenant") from None
-    if fingerprint is not None and not re.fullmatch(r"[0-9a-f]{4,16}", fingerprint):
-        raise click.BadParameter(
-            f"4 to 16 lowercase hex digits, got {fingerprint!r}", param_hint="--fingerprint"
-        )
-    path = pool_file_path()
-    if not path.exists():
-        raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
-    pool = LocalPool.attach(path)
-    keys = select(
-        master_keys(pool.metrics_url),
-        model=model,
-        fingerprint=fingerprint,
-        tenant=tenant,
-        everything=everything or (model is None and fingerprint is None and tenant is None),
-    )
-    given = (("tenant", tenant), ("model", model), ("fingerprint", fingerprint))
-    what = "every kvpool object" if everything else " ".join(
-        f"{name} {value}" for name, value in given if value is not None
-    ) or "any tenant or model"  # fmt: skip
-    unknown = 0
-    if older_than is not None and keys:
-        what += f" written over {format_age(older_than)} ago"
-        cutoff = int((time.time() - older_than) * 1000)
-        with mooncake_quiet(), MooncakeStore(pool.config()) as store:
-            times = written_times(store.read_heads, keys)
-        unknown = sum(t is None for t in times.values())
-        keys = written_before(times, cutoff)
-        if unknown:
-            _console().print(
-                f"kvpool purge: {unknown} objects of unknown age (gone meanwhile, or of "
-                "another object format: `--fingerprint` removes those) are kept",
-                soft_wrap=True,
-            )
-    if not keys:
-        _console().print(f"kvpool purge: no object of {what} in the pool", soft_wrap=True)
-        return
-    sample = keys[:_PURGE_SAMPLE]
-    size = key_bytes(pool.metrics_url, sample) * len(keys) // len(sample)
-    approx = "~" if len(keys) > len(sample) else ""
-    if dry_run:
-        _console().print(
-            f"kvpool purge --dry-run: would remove {len(keys)} objects of {what}, "
-            f"{approx}{format_bytes(size)}",
-            soft_wrap=True,
-        )
-        return
-    with mooncake_quiet(), MooncakeStore(pool.config()) as store:
-        result = remove(store, keys, wait_s=wait)
-    _console().print(
-        f"kvpool purge: removed {result.removed} objects of {what} ({approx}{format_bytes(size)}"
-        f" before); {result.gone} were gone already",
-        soft_wrap=True,
-    )
-    if result.in_use or result.failed:
-        raise KVPoolError(
-            f"{len(result.in_use)} objects still in use after {wait:g} s and {result.failed} the "
-            "pool did not answer for were left; run kvpool purge again"
-        )
-
-
-_PURGE_SAMPLE = 1000  # keys whose size purge asks for, at most (one HTTP request each)
-
-
-__all__ = [
-    "down",
-    "format_bytes",
-    "kv_transfer_config",
-    "namespace_table",
-    "purge",
-    "status",
-    "status_json",
-    "status_table",
-    "status_view",
-    "up",
-    "up_summary",
-]
+__all__ = ["down", "status", "up"]

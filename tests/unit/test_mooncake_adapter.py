@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreMissingDependency
-from kvpool.store import Status
+from kvpool.store import Status, mooncake_setup
 from kvpool.store import mooncake as adapter
 
 
@@ -44,7 +44,7 @@ def test_unknown_codes_are_logged_once(caplog: pytest.LogCaptureFixture) -> None
 
 def test_waits_are_bounded_from_config_without_overriding_the_environment() -> None:
     env: dict[str, str] = {"MC_TCP_STATUS_TIMEOUT_SEC": "30"}
-    adapter._bound_waits(PoolConfig(setup_timeout_s=12, transfer_timeout_s=2.4), env)
+    mooncake_setup.bound_waits(PoolConfig(setup_timeout_s=12, transfer_timeout_s=2.4), env)
     assert env == {
         "MC_STORE_CLIENT_SETUP_RETRIES": "2",
         "MC_RPC_TIMEOUT_MS": "12000",
@@ -53,10 +53,10 @@ def test_waits_are_bounded_from_config_without_overriding_the_environment() -> N
         "MC_TCP_BIND_ADDRESS": "127.0.0.1",
     }
     env = {}  # another host's address: Mooncake binds where the client advertises
-    adapter._bound_waits(PoolConfig(local_hostname="10.1.2.3", setup_timeout_s=3), env)
+    mooncake_setup.bound_waits(PoolConfig(local_hostname="10.1.2.3", setup_timeout_s=3), env)
     assert env["MC_STORE_CLIENT_SETUP_RETRIES"] == "1" and env["MC_TCP_BIND_ADDRESS"] == "10.1.2.3"
     env = {}  # a name, not an address: Mooncake's own choice
-    adapter._bound_waits(PoolConfig(local_hostname="node-7.cluster"), env)
+    mooncake_setup.bound_waits(PoolConfig(local_hostname="node-7.cluster"), env)
     assert "MC_TCP_BIND_ADDRESS" not in env
 
 

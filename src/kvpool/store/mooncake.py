@@ -1,11 +1,13 @@
-"""``MooncakeStore``: the ``KVStore`` on Mooncake Store. The only module importing Mooncake.
+"""``MooncakeStore``: the ``KVStore`` on Mooncake Store. With ``mooncake_setup``, the only
+module importing Mooncake; a little over 500 lines, every binding call in one place.
 
     MooncakeStore(config)        connect a client to the pool's master (``PoolConfig``)
     MooncakeStore(config, shared_memory=True)
                                  same-host mode: talk to the pool's holder
                                  (``holder_address``) over shared memory; falls back
                                  to TCP, with a warning, if that cannot be set up
-    status_of(code)              Mooncake return code -> ``Status``
+    status_of(code)              Mooncake return code -> ``Status`` (with set-up
+                                 helpers: ``kvpool.store.mooncake_setup``)
     store.prefault(addr, nbytes) shared memory: the holder touches every page of
                                  staging now (one transient 1 MiB object), not in
                                  the first loads
@@ -43,12 +45,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import ipaddress
 import logging
 import operator
 import os
 import re
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -58,109 +58,20 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.config import PoolConfig
-from kvpool.errors import StoreError, StoreMissingDependency, StoreUnavailable
+from kvpool.errors import StoreError, StoreUnavailable
 from kvpool.store.base import KVStore, Status
+from kvpool.store.mooncake_setup import (
+    bound_waits,
+    connect_error,
+    load_mooncake,
+    probe,
+    status_of,
+)
 from kvpool.store.scatter import Scatter, Segments
 
 __all__ = ["MooncakeStore", "status_of"]
 
 logger = logging.getLogger(__name__)
-
-_INSTALL_WHEEL = (
-    "the Mooncake wheel is not installed: run `pip install 'kvpool[mooncake-cpu]'` "
-    "(or `pip install 'kvpool[mooncake]'` on CUDA hosts)"
-)
-_INSTALL_VERBS = (
-    "Mooncake needs the system library libibverbs.so.1 (even for TCP): "
-    "run `apt-get install -y libibverbs1` as root"
-)
-
-# Mooncake ErrorCode values (mooncake-store/include/types.h) and what they mean here.
-_CODES: dict[int, Status] = {
-    -200: Status.NO_SPACE,  # NO_AVAILABLE_HANDLE
-    -10: Status.INVALID,  # BUFFER_OVERFLOW
-    -400: Status.INVALID,  # INVALID_KEY
-    -600: Status.INVALID,  # INVALID_PARAMS (also: destination buffer too small)
-    -601: Status.INVALID,  # ILLEGAL_CLIENT
-    -500: Status.TRANSFER_FAILED,  # WRITE_FAIL
-    -703: Status.MISSING,  # REPLICA_IS_NOT_READY: being written, not readable yet
-    -704: Status.MISSING,  # OBJECT_NOT_FOUND
-    -705: Status.EXISTS,  # OBJECT_ALREADY_EXISTS
-    -706: Status.LEASED,  # OBJECT_HAS_LEASE
-    -707: Status.TRANSFER_FAILED,  # LEASE_EXPIRED during the transfer
-    -708: Status.LEASED,  # OBJECT_HAS_REPLICATION_TASK: busy, like a lease
-    -710: Status.MISSING,  # REPLICA_NOT_FOUND
-    -712: Status.MISSING,  # REPLICA_IS_GONE
-    -800: Status.TRANSFER_FAILED,  # TRANSFER_FAIL (e.g. a dead holder's segment)
-    -801: Status.CORRUPT,  # CHECKSUM_MISMATCH
-    -900: Status.UNAVAILABLE,  # RPC_FAIL (e.g. the master is gone)
-    -901: Status.UNAVAILABLE,  # RPC_TIMEOUT
-    -1: Status.UNAVAILABLE,  # INTERNAL_ERROR
-}
-_unknown_logged: set[int] = set()
-
-
-def status_of(code: int) -> Status:
-    """The ``Status`` of a Mooncake return code (>= 0 is OK).
-
-    Codes of the RPC (-900s) and high-availability (-1000s) ranges are
-    UNAVAILABLE; any other unknown code is INVALID and logged once.
-    """
-    if code >= 0:
-        return Status.OK
-    known = _CODES.get(code)
-    if known is not None:
-        return known
-    if code not in _unknown_logged:
-        _unknown_logged.add(code)
-        logger.warning("kvpool: unexpected Mooncake return code %d", code)
-    return Status.UNAVAILABLE if -1099 <= code <= -900 else Status.INVALID
-
-
-def _load_mooncake() -> Callable[[], Any]:
-    """``MooncakeDistributedStore``, or ``StoreMissingDependency`` saying what to install."""
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        if "libibverbs" in str(exc):
-            raise StoreMissingDependency(_INSTALL_VERBS) from exc
-        raise StoreMissingDependency(_INSTALL_WHEEL) from exc
-    factory: Callable[[], Any] = MooncakeDistributedStore
-    return factory
-
-
-def _connect_error(address: str, timeout: float) -> str | None:
-    """None if ``host:port`` accepts a TCP connection within ``timeout``, else why not."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc) or type(exc).__name__
-
-
-def _probe(address: str, timeout: float) -> None:
-    """Raise ``StoreUnavailable`` unless ``host:port`` accepts a TCP connection."""
-    error = _connect_error(address, timeout)
-    if error is not None:
-        raise StoreUnavailable(
-            f"cannot reach mooncake_master at {address} ({error}); "
-            "is the pool running? Start one with `kvpool up` or fix master_address"
-        )
-
-
-def _bound_waits(config: PoolConfig, env: dict[str, str] | os._Environ[str]) -> None:
-    """Set Mooncake's retry and timeout variables from ``config``, unless set already."""
-    # One setup retry costs about 4.5 s (measured), so this keeps within setup_timeout_s.
-    env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(max(1, int(config.setup_timeout_s // 5))))
-    env.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(config.setup_timeout_s * 1000))))
-    seconds = str(max(1, round(config.transfer_timeout_s)))
-    env.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds)
-    env.setdefault("MC_TCP_STATUS_TIMEOUT_SEC", seconds)
-    with contextlib.suppress(ValueError):  # an address, not a name: bind where we advertise
-        ipaddress.ip_address(config.local_hostname)
-        env.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
-
 
 SEGMENTS_IN_FLIGHT = 1024  # per TCP/RDMA transfer call; see MooncakeStore._by_segments
 # Shared memory: the holder copies every segment itself, with no such queue (8000
@@ -189,10 +100,10 @@ class MooncakeStore(KVStore):
 
     def __init__(self, config: PoolConfig, *, shared_memory: bool = False) -> None:
         super().__init__()
-        factory = _load_mooncake()
+        factory = load_mooncake()
         master = config.require_master()
-        _probe(master, config.setup_timeout_s)
-        _bound_waits(config, os.environ)
+        probe(master, config.setup_timeout_s)
+        bound_waits(config, os.environ)
         self.config = config
         self._cond = threading.Condition()
         self._transfer_lock = threading.Lock()
@@ -232,7 +143,7 @@ class MooncakeStore(KVStore):
         holder = config.holder_address
         why = "no holder_address is configured" if not holder else None
         if why is None:
-            why = _connect_error(holder, config.setup_timeout_s)
+            why = connect_error(holder, config.setup_timeout_s)
         if why is None:
             rc = self._guarded(
                 "setup_dummy", self._store.setup_dummy, 0, config.local_buffer_size, holder
@@ -319,7 +230,7 @@ class MooncakeStore(KVStore):
             if store is None or self._guarded("health_check", store.health_check) != 0:
                 return False
         timeout = min(1.0, self.config.setup_timeout_s)
-        return _connect_error(self.config.master_address, timeout) is None
+        return connect_error(self.config.master_address, timeout) is None
 
     def close(self) -> None:
         with self._cond:

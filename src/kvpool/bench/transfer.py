@@ -1,4 +1,5 @@
 """Transfer throughput: paged KV tensors -> pool -> KV tensors through ``TransferEngine``.
+(A little over 500 lines: six variants on two paths, each timed and verified alike.)
 
     run_transfer_bench(config, ...) -> TransferBench   measure; prints nothing
 

@@ -1,4 +1,5 @@
 """The worker half of the connector: turns each step's plan into transfer jobs.
+(A little over 500 lines: one worker's session, from open to reopen, and its steps.)
 
     Worker(identity, rank, settings, pool, kv_cache_config, open_store, events,
            layer_index=layer_number, new_report=WorkerReport)

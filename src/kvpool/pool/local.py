@@ -1,4 +1,5 @@
 """Start, stop and inspect a local pool: ``mooncake_master`` and a holder on loopback.
+(About 550 lines: one class, the pool's whole life cycle and the faults tests inject.)
 
     LocalPool.start(home, ...)   start ``mooncake_master`` and (``with_holder``) a
                                  standalone holder (``mooncake_client``) on free

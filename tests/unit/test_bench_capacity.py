@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -44,8 +45,27 @@ def test_the_table_fits_80_columns_and_shows_the_gap_to_lru() -> None:
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80
     row = next(line for line in text.splitlines() if line.lstrip().startswith("4x"))
-    assert row.split()[:6] == ["4x", "96", "45%", "53%", "+8", "75%"]
+    assert row.split()[:7] == ["4x", "96", "45%", "-", "53%", "+8", "75%"]
     assert "…" not in text  # no header cut short
+
+
+def test_repeated_runs_show_medians_their_spread_and_every_drop() -> None:
+    """Three runs per N: the table shows the median hit rate, half its range in points,
+    the median of the counts, and the drops of all runs; it still fits 80 columns."""
+    runs = [replace(_row(4, hit, 530), run=i, dropped=i) for i, hit in enumerate((300, 450, 520))]
+    result = CapacityBench(SHAPES["small"], CapacityWorkload(repeats=3), tuple(runs))
+    (summary,) = result.summary()
+    assert summary.pool_hit_rate == pytest.approx(runs[1].pool_hit_rate)
+    assert summary.hit_spread == pytest.approx(runs[2].pool_hit_rate - runs[0].pool_hit_rate)
+    assert summary.dropped == 0 + 1 + 2 and summary.run == 3
+    console = Console(width=80, record=True)
+    console.print(capacity_table(result))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "medians of 3 runs" in text
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("4x"))
+    spread = round((runs[2].pool_hit_rate - runs[0].pool_hit_rate) * 50)
+    assert row.split()[:4] == ["4x", "96", "45%", str(spread)] and spread >= 10
 
 
 @pytest.mark.parametrize(

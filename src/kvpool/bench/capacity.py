@@ -4,7 +4,8 @@
     lru_hits(trace, chunks, capacity)       -> per request, the leading chunks an LRU
                                                cache of ``capacity`` chunks holds
     run_capacity_bench(workdir, shape=..., workload=CapacityWorkload(), ...)
-                                            -> CapacityBench, a row per N
+                                            -> CapacityBench, a row per N and run
+    CapacityBench.summary()                 -> per N, the median over runs
 
 For each N (``ratios``): a fresh pool of ``pool_mib``, and ``N x pool / prefix``
 distinct prefixes of ``prefix_tokens`` tokens (random tokens each) whose
@@ -25,7 +26,11 @@ that found an object evicted since the lookup; TTFT medians of requests that hit
 and that missed. After the trace, one more fresh engine asks the ``NEWEST``
 prefixes the trace used last (a new suffix each): the share of their prefix
 tokens it loads is what a full pool keeps of what it was given last (the
-target: all of it). Nothing is counted from a warm-up: each engine first runs one
+target: all of it). With ``repeats`` > 1 each N runs that many times, each on a
+fresh pool with fresh engines and the same trace (runs differ by what the
+engines' timing leaves leased when the pool evicts); ``summary`` takes the
+median of each figure over the runs, and sums the drops. Nothing is counted
+from a warm-up: each engine first runs one
 unrelated prompt shorter than a block, which the pool never sees.
 """
 
@@ -35,7 +40,7 @@ import random
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +76,7 @@ class CapacityWorkload:
     lease_ttl_ms: int = LEASE_TTL_MS  # the pool's read lease (kvpool up's default)
     local_cache: bool = False  # vLLM's own prefix cache in the engines
     seed: int = 0
+    repeats: int = 1  # runs per N, each on a fresh pool (medians are reported)
 
 
 def zipf_trace(prefixes: int, requests: int, alpha: float, seed: int = 0) -> list[int]:
@@ -118,6 +124,8 @@ class CapacityRow:
     ttft_hit_s: float | None  # median TTFT of requests with a pool hit
     ttft_miss_s: float | None  # of requests without
     newest_kept: float  # after the trace, a fresh engine's hit rate on its newest prefixes
+    run: int = 0  # which of the workload's repeats
+    hit_spread: float = 0.0  # in a summary row: max - min of the runs' pool hit rates
 
     @property
     def pool_hit_rate(self) -> float:
@@ -132,7 +140,46 @@ class CapacityRow:
 class CapacityBench:
     shape: ModelShape
     workload: CapacityWorkload
-    rows: tuple[CapacityRow, ...]
+    rows: tuple[CapacityRow, ...]  # a row per N and run
+
+    def summary(self) -> list[CapacityRow]:
+        """Per N (in run order), one row of the runs' medians: counts and TTFTs
+        are medians, ``dropped`` the sum, ``hit_spread`` the range of hit rates."""
+        out = []
+        for ratio in dict.fromkeys(r.ratio for r in self.rows):
+            runs = [r for r in self.rows if r.ratio == ratio]
+            if len(runs) == 1:
+                out.append(runs[0])
+                continue
+
+            def med_int(name: str, runs: list[CapacityRow] = runs) -> int:
+                return round(float(statistics.median(getattr(r, name) for r in runs)))
+
+            rates = [r.pool_hit_rate for r in runs]
+            hits = [r.ttft_hit_s for r in runs if r.ttft_hit_s is not None]
+            misses = [r.ttft_miss_s for r in runs if r.ttft_miss_s is not None]
+            out.append(
+                CapacityRow(
+                    ratio=ratio,
+                    prefixes=runs[0].prefixes,
+                    requests=runs[0].requests,
+                    hittable_tokens=runs[0].hittable_tokens,
+                    pool_hit_tokens=round(statistics.median(rates) * runs[0].hittable_tokens),
+                    lru_hit_tokens=runs[0].lru_hit_tokens,
+                    evicted_bytes=med_int("evicted_bytes"),
+                    evicted_objects=med_int("evicted_objects"),
+                    pool_refused_puts=med_int("pool_refused_puts"),
+                    puts_retried=med_int("puts_retried"),
+                    dropped=sum(r.dropped for r in runs),
+                    missing_loads=med_int("missing_loads"),
+                    ttft_hit_s=_median(hits),
+                    ttft_miss_s=_median(misses),
+                    newest_kept=statistics.median(r.newest_kept for r in runs),
+                    run=len(runs),
+                    hit_spread=max(rates) - min(rates),
+                )
+            )
+        return out
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -177,13 +224,17 @@ def run_capacity_bench(
             _tokens(1000 * ratio + p, w.prefix_tokens) + _tokens(-(10**6) - p, w.suffix_tokens)
             for p in newest
         ]
-        rows.append(
-            _run_ratio(
-                workdir / f"n{ratio}", model, shape, w, ratio, prefixes, prompts, again, lru,
-                progress,
-            )
-        )  # fmt: skip
+        for run in range(w.repeats):
+            row = _run_ratio(
+                workdir / f"n{ratio}-{run}", model, shape, w, ratio, prefixes, prompts, again,
+                lru, progress if w.repeats == 1 else _tagged(progress, run, w.repeats),
+            )  # fmt: skip
+            rows.append(replace(row, run=run))
     return CapacityBench(shape, workload, tuple(rows))
+
+
+def _tagged(progress: Progress, run: int, runs: int) -> Progress:
+    return lambda phase, done, total: progress(f"{phase} (run {run + 1}/{runs})", done, total)
 
 
 def _run_ratio(

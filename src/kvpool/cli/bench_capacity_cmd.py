@@ -31,18 +31,20 @@ def _ms(s: float | None) -> str:
 
 def capacity_table(result: CapacityBench) -> Table:
     w = result.workload
+    runs = f", medians of {w.repeats} runs" if w.repeats > 1 else ""
     title = (
         f"a {w.pool_mib} MiB pool, {result.shape.kv_bytes_per_token >> 10} KiB of KV per "
-        f"token, {w.prefix_tokens}-token prefixes (Zipf {w.alpha:g}), {w.engines} engines"
+        f"token, {w.prefix_tokens}-token prefixes (Zipf {w.alpha:g}), {w.engines} engines{runs}"
     )
-    columns = ("N", "reqs", "hits", "LRU", "gap", "newest", "evicted", "retry", "drop", "gone",
-               "hit ms", "miss ms")  # fmt: skip
+    columns = ("N", "reqs", "hits", "±", "LRU", "gap", "newest", "evicted", "retry", "drop",
+               "gone", "hit", "miss")  # fmt: skip
     t = bench_table(title, columns, left=0)
-    for r in result.rows:
+    for r in result.summary():
         t.add_row(
             f"{r.ratio}x",
             str(r.requests),
             f"{r.pool_hit_rate:.0%}",
+            f"{r.hit_spread * 50:.0f}" if w.repeats > 1 else "-",
             f"{r.lru_hit_rate:.0%}",
             f"{(r.lru_hit_rate - r.pool_hit_rate) * 100:+.0f}",
             f"{r.newest_kept:.0%}",
@@ -55,12 +57,13 @@ def capacity_table(result: CapacityBench) -> Table:
         )
     t.caption = (
         "N: working set over pool memory; hits: prompt tokens loaded from the pool over "
-        "those any cache could supply; LRU: an LRU cache of the pool's bytes on the same "
+        "those any cache could supply; ±: half the range of the runs' hits, in points; "
+        "LRU: an LRU cache of the pool's bytes on the same "
         "trace; gap: LRU minus pool, in points; newest: what a fresh engine then loads of "
         "the 4 prefixes used last; evicted: bytes the pool evicted; retry: "
         "objects whose put met a full pool and went again; drop: still refused after "
-        "that; gone: loads of objects evicted since their lookup; hit/miss ms: TTFT "
-        "medians of requests with and without a pool hit"
+        "that (all runs); gone: loads of objects evicted since their lookup; hit/miss: "
+        "TTFT medians of requests with and without a pool hit, in ms"
     )
     return t
 
@@ -82,6 +85,13 @@ def capacity_table(result: CapacityBench) -> Table:
     show_default=True,
     help="vLLM's own prefix cache in the engines (off: every reuse is a pool hit).",
 )
+@click.option(
+    "--repeats",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs per N, each on a fresh pool with fresh engines; the table shows medians.",
+)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
@@ -95,6 +105,7 @@ def bench_capacity(
     engines: int,
     lease_ttl_ms: int,
     local_cache: bool,
+    repeats: int,
     workdir: Path | None,
     as_json: bool,
     table_only: bool,
@@ -124,6 +135,7 @@ def bench_capacity(
         engines=engines,
         lease_ttl_ms=lease_ttl_ms,
         local_cache=local_cache,
+        repeats=repeats,
     )
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-capacity-") as tmp,

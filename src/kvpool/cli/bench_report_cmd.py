@@ -84,7 +84,7 @@ def _capacity_table() -> Any:
 REPORTS: dict[str, Report] = {
     "vllm": Report(("vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table),
     "serve": Report(("serve", "--shape", "llama3-8b"), _serve_table),
-    "capacity": Report(("capacity",), _capacity_table),
+    "capacity": Report(("capacity", "--repeats", "3"), _capacity_table),
 }
 
 

@@ -314,14 +314,13 @@ def unpack(buffer: bytes | bytearray | memoryview, offset: int = 0) -> Header:
 
 def written_at(buffer: bytes | bytearray | memoryview, fingerprint: bytes, key: str) -> int | None:
     """When the object of ``key`` whose first bytes are ``buffer`` was written (ms since
-    the epoch, the writer's clock); None unless the header is one of this format for
-    this key and fingerprint and carries a time. Reads only the header: the payload
-    is not checked."""
+    the epoch, the writer's clock); None unless ``check`` takes the header for this key
+    and fingerprint (its own length; the payload is not read) and it carries a time."""
     if len(buffer) < HEADER_SIZE:
         return None
     h = unpack(buffer)
-    ok = h.magic == MAGIC and h.version == FORMAT_VERSION and h.fingerprint == fingerprint
-    return h.written_ms if ok and h.key_digest == key_digest(key) and h.written_ms else None
+    valid = check(h, fingerprint, key, h.payload_len) is None
+    return h.written_ms if valid and h.written_ms else None
 
 
 def check(

@@ -378,9 +378,11 @@ class MooncakeStore(KVStore):
         with self._using() as store, self._transfer_lock:
             if store is None:
                 return False
-            rc = self._guarded("put_from", store.put_from, key, addr, window)
-            if rc != 0:
-                logger.debug("kvpool: prefault put returned %s; staging not prefaulted", rc)
+            # Put as every kvpool put is (``_put_some``: this host's holder first), so
+            # the ranged get below is a local copy into every window.
+            (put,) = self._put_some([key], [[(addr, window)]])
+            if put is not Status.OK:
+                logger.debug("kvpool: prefault put: %s; staging not prefaulted", put.name)
                 return False
             try:
                 got = self._guarded(

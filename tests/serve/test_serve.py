@@ -134,6 +134,8 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
     assert first[1].cached_tokens == 0 and first[2].cached_tokens == 0
     # The references: each prompt again on its engine, a local prefix-cache hit.
     local = {1: server.complete(p1, dp_rank=0), 2: server.complete(p2, dp_rank=1)}
+    # Saves are asynchronous: a later request finds what the pool holds by then.
+    saved_all(server, sum(len(p) // BLOCK for p in (p1, p2)) * KV_HEADS)
     # Each prompt on the other engine: its local cache never saw it, the pool did.
     other = {1: server.complete(p1, dp_rank=1), 2: server.complete(p2, dp_rank=0)}
     for k in (1, 2):

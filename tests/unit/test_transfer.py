@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tests.factories import key_space
+from tests.factories import key_space, wait_until
 
 from kvpool.kvcache import block_runs, describe_group
 from kvpool.layout import Layout
@@ -772,6 +772,47 @@ def test_a_save_that_sees_no_staging_freed_is_refused_as_retryable_and_never_sto
     assert store.batch_exists(keys) == [Status.OK] * 13
 
 
+class _SlowPrefault(_StagingOnly):
+    """A shared-memory store whose ``prefault`` runs until ``done`` is set: a
+    loaded host where touching staging takes longer than the engine waits."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity=1 << 28)
+        self.done = threading.Event()
+
+    def prefault(self, addr: int, nbytes: int) -> bool:
+        return self.done.wait(30)
+
+
+def test_saves_refused_during_a_slow_prefault_resume_when_it_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefault longer than construction waits keeps staging reserved; a save
+    meanwhile is refused (staging_busy) and the next refused at once. Its end frees
+    staging as a put does: the saves after it are stored (they were refused forever,
+    as no put was left to free anything)."""
+    from kvpool.transfer import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFAULT_WAIT_S", 0.05)
+    store = _SlowPrefault()
+    src = cpu_layers(2)
+    randomize(src, 35)
+    e = TransferEngine(
+        store, [src], NB, staging_bytes=SMALL_STAGING, save_wait_s=0.1, prefault=True
+    )
+    chunks = [ChunkRef(f"p{i}", 0, i, (i,)) for i in range(3)]
+    assert e.submit_save("during", chunks) is False
+    assert e.submit_save("blocked", chunks) is False and e.saves_blocked
+    store.done.set()
+    assert wait_until(lambda: not e.saves_blocked, timeout=10, step=0.01)
+    assert e.submit_save("after", chunks)
+    results = {r.job_id: r for r in e.wait(["during", "blocked", "after"], timeout=30)}
+    assert results["during"].refused == "staging_busy" and results["during"].retry
+    assert results["after"].ok and not results["after"].refused
+    e.close()
+    assert store.batch_exists([c.key for c in chunks]) == [Status.OK] * 3
+
+
 def test_staging_smaller_than_one_chunk_object_is_a_config_error(store: KVStore) -> None:
     from kvpool.errors import ConfigError
 
@@ -874,7 +915,6 @@ def test_a_damaged_object_is_removed_once_leases_end_never_forced(
 ) -> None:
     """The reader's own get leases the object: the removal waits for the lease
     (LEASED, retried), and never forces other readers' leases away."""
-    from kvpool.pool import wait_until
     from kvpool.store.framed import FramedStore
     from kvpool.transfer import shared
 
@@ -902,7 +942,6 @@ def test_a_forged_object_never_reaches_the_kv_cache_and_is_removed() -> None:
     """A pool with a secret: an object put under a live key by a client without it
     (well-formed, checksum and all) loads as FORGED, writes nothing into the KV
     cache, and is removed so that an honest save can replace it."""
-    from kvpool.pool import wait_until
     from kvpool.store.framed import FramedStore
 
     inner = MemoryStore(capacity=1 << 28)

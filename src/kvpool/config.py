@@ -152,12 +152,23 @@ class PoolConfig:
         "The pool file `kvpool up` writes (default: $KVPOOL_HOME/pool.json); its values "
         "come under the settings here.",
     )
+    tenant_holders: str = documented(
+        "",
+        "TENANT=HOST:PORT,... : the holder of each tenant with a quota (`kvpool up --quota` "
+        "writes it); an engine of such a tenant puts through its own.",
+    )
+    mooncake_tenant: str = documented(
+        "",
+        "The Mooncake tenant this client's objects are charged to (empty: `default`); the "
+        "connector sets it from `tenant` where the pool has a quota for it.",
+    )
 
     def __post_init__(self) -> None:
         if self.master_address and not _is_host_port(self.master_address):
             raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
         if self.holder_address and not _is_host_port(self.holder_address):
             raise ConfigError(f"holder_address must be host:port, got {self.holder_address!r}")
+        self.holders_by_tenant()  # raises on a malformed value
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
         for name in ("setup_timeout_s", "transfer_timeout_s"):
@@ -176,6 +187,27 @@ class PoolConfig:
         """The pool secret as bytes, or None when objects are not signed."""
         return bytes.fromhex(self.pool_secret) if self.pool_secret else None
 
+    def holders_by_tenant(self) -> dict[str, str]:
+        """{tenant: holder host:port} of the tenants with a quota (``tenant_holders``)."""
+        out: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in self.tenant_holders.split(","))):
+            tenant, _, address = item.partition("=")
+            if not tenant or not _is_host_port(address):
+                raise ConfigError(
+                    f"tenant_holders must be TENANT=HOST:PORT,..., got {self.tenant_holders!r}"
+                )
+            out[tenant] = address
+        return out
+
+    def for_tenant(self, tenant: str) -> PoolConfig:
+        """The config of a client of ``tenant`` (empty: none): where the pool has a
+        quota for it, its objects are charged to it and go through its holder;
+        else this config (the pool's shared rest)."""
+        holder = self.holders_by_tenant().get(tenant) if tenant else None
+        if holder is None:
+            return self
+        return replace(self, mooncake_tenant=tenant, holder_address=holder)
+
     def require_master(self) -> str:
         """The master address, or ``PoolNotFound`` saying how to get a pool."""
         if not self.master_address:
@@ -193,7 +225,7 @@ _SIZES = {"global_segment_size", "local_buffer_size"}
 # processes (``LocalPool.pool_file_data``), read by ``kvpool status`` and ``down``.
 POOL_FILE_FACTS = frozenset(
     {"host", "master_pid", "holder_pid", "segment_size", "client_ttl", "lease_ttl_ms",
-     "created", "disk_dir", "disk_bytes"}
+     "created", "disk_dir", "disk_bytes", "quotas", "tenant_holder_pids"}
 )  # fmt: skip
 
 

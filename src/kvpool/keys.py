@@ -63,6 +63,7 @@ from kvpool.layout import ContentId, GroupKind, Layout
 __all__ = [
     "CHUNK_HASH",
     "OBJECT_FORMAT",
+    "ROOT_PREFIX",
     "SCHEMA_VERSION",
     "KeySpace",
     "ParsedKey",
@@ -85,6 +86,7 @@ CHUNK_HASH = "kvpool-sha256-1"
 # carries the time the object was written (``kvpool status``, ``purge --older-than``).
 OBJECT_FORMAT = 3
 _ROOT = "kvpool"
+ROOT_PREFIX = _ROOT + "/"  # every kvpool key starts so, whatever its schema
 _FP_HEX = 16  # 64 bits of sha256 over the canonical config
 _SAFE = "/:@._-+=~,"
 _NUM = r"([0-9]{1,18})"  # bounded: int() refuses strings of over 4300 digits

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from tests.factories import key_space
 
+from kvpool.config import PoolConfig
 from kvpool.pool import HOLDER_BINARY, MASTER_BINARY, LocalPool, is_mooncake_process
 from kvpool.store.base import Status
 
@@ -361,3 +362,72 @@ def test_purge_removes_one_models_or_one_tenants_objects_and_nothing_else(home: 
     assert bad.returncode == 2 and "--fingerprint and/or --older-than, or --all" in bad.stderr
     bad = home.kvpool("purge", "--tenant", "_t")
     assert bad.returncode == 2 and "tenant name '_t' must be 1-64 letters" in bad.stderr
+
+
+def test_up_with_quotas_starts_a_holder_per_tenant_and_status_shows_each_share(
+    home: Home,
+) -> None:
+    r = home.up("--quota", "teamA=32MB", "--quota", "teamB=48MB")
+    assert "tenant teamA" in r.stdout and "tenant teamB" in r.stdout
+    data = json.loads(home.pool_file.read_text())
+    assert data["quotas"] == {"teamA": 32 << 20, "teamB": 48 << 20}
+    assert sorted(data["tenant_holder_pids"]) == ["teamA", "teamB"]
+    roles = sorted(role for role, _, ok in _running(home.pool_file) if ok)
+    assert roles == ["holder", "holder-teamA", "holder-teamB", "master"]
+    js = json.loads(home.kvpool("status", "--json").stdout)
+    assert js["capacity_bytes"] == 128 << 20 and len(js["segments"]) == 3  # one pool's memory
+    assert js["quotas"]["teamA"] == {"used_bytes": 0, "quota_bytes": int((32 << 20) * 0.85)}
+    assert js["quotas"]["default"]["quota_bytes"] == int((48 << 20) * 0.85)  # the rest
+    s = home.kvpool("status")
+    assert "quota teamB" in s.stdout and "quota (no tenant)" in s.stdout, s.stdout
+    # purge --tenant: the master lists no key of a quota tenant; a client of it removes
+    from kvpool.store.mooncake import MooncakeStore
+
+    pool = LocalPool.attach(home.pool_file)
+    buf = bytearray(1 << 20)
+    addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    keys = [f"kvpool/4/!x/m/{i}" for i in range(4)]
+    stores = {t: MooncakeStore(pool.config().for_tenant(t)) for t in ("teamA", "teamB")}
+    try:
+        for store in stores.values():
+            assert store.batch_put(keys, [[(addr, len(buf))]] * 4) == [Status.OK] * 4
+        dry = home.kvpool("purge", "--tenant", "teamA", "--dry-run")
+        assert "would remove every kvpool object of tenant teamA (4.0 MiB" in dry.stdout, dry
+        assert stores["teamA"].batch_exists(keys) == [Status.OK] * 4
+        r = home.kvpool("purge", "--tenant", "teamA")
+        assert r.returncode == 0 and "removed 4 objects of tenant teamA" in r.stdout, r
+        assert stores["teamA"].batch_exists(keys) == [Status.MISSING] * 4
+        assert stores["teamB"].batch_exists(keys) == [Status.OK] * 4  # another tenant's stay
+        mixed = home.kvpool("purge", "--tenant", "teamB", "--model", "m")
+        assert mixed.returncode != 0 and "only all of its objects" in mixed.stderr
+    finally:
+        for store in stores.values():
+            store.close()
+    d = home.kvpool("down")
+    assert d.returncode == 0, d.stderr
+    assert "holder-teamA" in d.stdout and not home.pool_file.exists()
+    for tenant, address in (
+        PoolConfig(tenant_holders=data["tenant_holders"]).holders_by_tenant().items()
+    ):
+        port = address.rsplit(":", 1)[1]
+        pid = data["tenant_holder_pids"][tenant]
+        assert not is_mooncake_process(pid, HOLDER_BINARY, f"--port={port}"), tenant
+
+
+@pytest.mark.parametrize(
+    ("quotas", "says"),
+    [
+        (["teamA"], "TENANT=SIZE"),
+        (["teamA=1MB"], "at least 16MiB"),
+        (["teamA=64MB", "teamB=64MB"], "leave at least 16MiB"),
+        (["teamA=32MB", "teamA=48MB"], "two quotas"),
+        (["default=32MB"], "engines of no tenant"),
+        (["_x=32MB"], "tenant name"),
+    ],
+)
+def test_quotas_that_do_not_fit_are_refused_saying_what_to_change(
+    home: Home, quotas: list[str], says: str
+) -> None:
+    r = home.kvpool("up", "--segment-size", "128MB", *(f"--quota={q}" for q in quotas))
+    assert r.returncode != 0 and says in r.stderr, r.stderr
+    assert not home.pool_file.exists()

@@ -48,6 +48,7 @@ from kvpool.pool import (
 )
 from kvpool.pool.local import LEASE_TTL_MS
 from kvpool.pool.master_api import master_health
+from kvpool.pool.quotas import parse_quota
 
 
 def _console() -> Console:
@@ -131,6 +132,20 @@ def _starting(pool_file: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+def _quotas(values: tuple[str, ...]) -> dict[str, int]:
+    """{tenant: bytes} of ``--quota`` values; a tenant named twice is an error."""
+    out: dict[str, int] = {}
+    for text in values:
+        try:
+            tenant, size = parse_quota(text)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--quota") from None
+        if tenant in out:
+            raise click.BadParameter(f"tenant {tenant} has two quotas", param_hint="--quota")
+        out[tenant] = size
+    return out
+
+
 @click.command()
 @click.option(
     "--segment-size",
@@ -196,6 +211,16 @@ def _starting(pool_file: Path) -> Iterator[None]:
     callback=lambda ctx, param, value: None if value is None else _size(ctx, param, value),
     help="With --disk: at most this much on disk (e.g. 100GB); default: Mooncake's.",
 )
+@click.option(
+    "--quota",
+    "quotas",
+    multiple=True,
+    metavar="TENANT=SIZE",
+    callback=lambda ctx, param, value: _quotas(value),
+    help="Give a tenant this share of the pool's memory (repeatable): its engines put "
+    "through a holder of that size, and past the quota evict their own objects, never "
+    "another tenant's. Engines of no tenant share what is left.",
+)
 def up(
     segment_size: int,
     client_ttl: int,
@@ -206,8 +231,11 @@ def up(
     secret: bool,
     disk_dir: Path | None,
     disk_size: int | None,
+    quotas: dict[str, int],
 ) -> None:
     """Start a local pool (master + holder) in the background."""
+    if quotas and master is not None:
+        raise click.UsageError("--quota starts a pool of its own: it does not go with --master")
     if metrics_url and master is None:
         raise click.UsageError("--metrics-url goes with --master")
     if disk_size is not None and disk_dir is None:
@@ -239,6 +267,7 @@ def up(
             secret=pool_secret,
             disk_dir=disk_dir or "",
             disk_bytes=disk_size or 0,
+            quotas=quotas,
         )
         try:
             pool.write_pool_file(path)

@@ -22,6 +22,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvpool.pool import LocalPool, NamespaceSummary, PoolStatus
+from kvpool.pool.quotas import DEFAULT_TENANT
 
 __all__ = [
     "format_age",
@@ -109,8 +110,13 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     t.add_row(
         "holder",
         f"{pool.holder_address}  ({_process_label(pool, 'holder')}, "
-        f"{format_bytes(pool.segment_size)})",
+        f"{format_bytes(pool.segment_size - sum(pool.quotas.values()))})",
     )
+    for tenant, address in pool.tenant_holders.items():
+        t.add_row(
+            f"tenant {tenant}",
+            f"{address}  (holder, quota {format_bytes(pool.quotas.get(tenant))})",
+        )
     t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
     t.add_row("pool file", str(pool_file))
     if pool.secret:
@@ -151,6 +157,12 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
             "oldest",
             f"written {format_age(age)} ago (the oldest of {status.ages_sampled} objects read)",
         )
+    for tenant, (charged, quota) in sorted(status.tenants.items()):
+        name = "(no tenant)" if tenant == DEFAULT_TENANT else tenant
+        t.add_row(f"quota {name}", f"{format_bytes(charged)} used of {format_bytes(quota)}")
+    if status.tenants:
+        t.add_row("", "keys of tenants with a quota are not listed (Mooncake lists its "
+                  "default tenant's only)")  # fmt: skip
     t.add_row("clients", "?" if status.clients is None else str(status.clients))
     segments = ", ".join(f"{n} ({format_bytes(c)})" for n, c in sorted(status.segments.items()))
     t.add_row("segments", f"{len(status.segments)}: {segments}" if segments else "0")
@@ -229,6 +241,10 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
             for h, (n, u, c) in status.hosts().items()
         },
         "host_keys_sampled": status.host_keys_sampled,
+        "quotas": {
+            t: {"used_bytes": used, "quota_bytes": quota}
+            for t, (used, quota) in sorted(status.tenants.items())
+        },
         "namespaces": None
         if ns is None
         else {

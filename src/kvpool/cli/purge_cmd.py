@@ -13,7 +13,7 @@ from kvpool.cli.console import mooncake_quiet
 from kvpool.cli.pool_render import format_age, format_bytes, parse_duration
 from kvpool.config import pool_file_path
 from kvpool.errors import KVPoolError, LayoutError
-from kvpool.keys import check_tenant
+from kvpool.keys import ROOT_PREFIX, check_tenant
 from kvpool.pool import LocalPool
 
 __all__ = ["purge"]
@@ -101,6 +101,16 @@ def purge(
     if not path.exists():
         raise KVPoolError(f"no pool: {path} does not exist; start one with `kvpool up`")
     pool = LocalPool.attach(path)
+    quota_tenants = [t for t in pool.tenant_holders if everything or t == tenant]
+    if quota_tenants and (model, fingerprint, older_than) != (None, None, None):
+        raise click.UsageError(
+            f"tenant {quota_tenants[0]} has a quota: the master does not list its keys, so "
+            "only all of its objects can go (`kvpool purge --tenant NAME` alone)"
+        )
+    for name in quota_tenants:
+        _purge_quota_tenant(pool, name, dry_run, wait)
+    if tenant is not None and tenant in pool.tenant_holders:
+        return
     keys = select(
         master_keys(pool.metrics_url),
         model=model,
@@ -150,6 +160,42 @@ def purge(
         raise KVPoolError(
             f"{len(result.in_use)} objects still in use after {wait:g} s and {result.failed} the "
             "pool did not answer for were left; run kvpool purge again"
+        )
+
+
+def _purge_quota_tenant(pool: LocalPool, tenant: str, dry_run: bool, wait: float) -> None:
+    """Every kvpool object of a tenant with a quota: in its own Mooncake namespace,
+    which the master's key listing leaves out, by prefix through a client of it.
+    Objects in use are kept until their lease ends, retried for ``wait`` s."""
+    from kvpool.pool.quotas import tenant_usage
+    from kvpool.store.mooncake import MooncakeStore
+
+    charged = tenant_usage(pool.metrics()).get(tenant, (0, 0))[0]
+    if dry_run:
+        _console().print(
+            f"kvpool purge --dry-run: would remove every kvpool object of tenant {tenant} "
+            f"({format_bytes(charged)} charged to its quota)",
+            soft_wrap=True,
+        )
+        return
+    removed = 0
+    deadline = time.monotonic() + wait
+    with mooncake_quiet(), MooncakeStore(pool.config().for_tenant(tenant)) as store:
+        while True:
+            removed += store.remove_prefix(ROOT_PREFIX)
+            left = tenant_usage(pool.metrics()).get(tenant, (0, 0))[0]
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)  # objects in use: their read leases run out on the master
+    _console().print(
+        f"kvpool purge: removed {removed} objects of tenant {tenant} "
+        f"({format_bytes(charged)} before)",
+        soft_wrap=True,
+    )
+    if left:
+        raise KVPoolError(
+            f"{format_bytes(left)} of tenant {tenant} still in use after {wait:g} s; "
+            "run kvpool purge again"
         )
 
 

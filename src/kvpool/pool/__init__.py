@@ -4,6 +4,7 @@
     master_api   the master's HTTP API: metrics, health, keys, wait_until
     processes    children and PIDs from pool files, verified before every signal
     local        LocalPool: start / attach, stop, faults, pool files
+    quotas       tenant quotas: shares of the pool's memory, the master's policy
     status       pool_status and namespace_counts for ``kvpool status``
 
 Everything listens on 127.0.0.1. Nothing here imports a Mooncake module: the

@@ -46,12 +46,13 @@ long-lived thread unless ``detach=True`` (what ``kvpool up`` uses): see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -73,6 +74,7 @@ from kvpool.pool.processes import (
     check_local_address,
     free_ports,
 )
+from kvpool.pool.quotas import Shares
 
 __all__ = ["LEASE_TTL_MS", "MIN_SEGMENT", "GiB", "LocalPool"]
 
@@ -80,6 +82,7 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 MIN_SEGMENT = 16 << 20  # mooncake_client aborts on a smaller global segment
+QUOTA_FILE = "tenant-quotas.yaml"  # the master's tenant policy, in the pool's home
 _START_ATTEMPTS = 3  # a port taken between picking and binding makes the master exit
 # The master's read lease (``--default_kv_lease_ttl``): an object read, or looked
 # up, is never evicted for this long, and counts as used this long in the future.
@@ -118,8 +121,12 @@ class LocalPool:
     secret: str = field(default="", repr=False)  # PoolConfig.pool_secret; "" = unsigned
     disk_dir: str = ""  # the holder keeps evicted objects here ("" = memory only)
     disk_bytes: int = 0  # at most this much on disk (0 = Mooncake's default)
+    # Tenant quotas (``quotas``): each tenant's share of ``segment_size`` and its holder
+    quotas: dict[str, int] = field(default_factory=dict)
+    tenant_holders: dict[str, str] = field(default_factory=dict)
     _master: _Process | None = field(default=None, init=False, repr=False)
     _holder: _Process | None = field(default=None, init=False, repr=False)
+    _tenant_procs: dict[str, _Process] = field(default_factory=dict, init=False, repr=False)
 
     # ----------------------------------------------------------------- start / attach
 
@@ -140,6 +147,7 @@ class LocalPool:
         secret: str = "",
         disk_dir: str | Path = "",
         disk_bytes: int = 0,
+        quotas: Mapping[str, int] | None = None,
     ) -> LocalPool:
         """Start a pool under ``home`` and return once it is healthy.
 
@@ -149,7 +157,10 @@ class LocalPool:
         this machine; loopback by default): other hosts reach the pool there.
         ``secret`` is the pool secret its pool file hands engines (``PoolConfig``
         checks it). ``disk_dir`` (made if missing) keeps evicted objects on disk,
-        ``disk_bytes`` of them at most (module docstring). Raises
+        ``disk_bytes`` of them at most (module docstring). ``quotas`` ({tenant:
+        bytes}) split ``segment_size`` between tenants (``kvpool.pool.quotas``):
+        the master enforces them, and each tenant gets a holder of its share
+        (``holder-TENANT.log``). Raises
         ``StoreMissingDependency`` if a binary or libibverbs is missing and
         ``StoreUnavailable`` (with the log tail) if a process exits or is not
         healthy within ``timeout_s``; whatever was started is stopped first.
@@ -163,6 +174,10 @@ class LocalPool:
             )
         if master_address is not None and not with_holder:
             raise ConfigError("with an existing master, there is nothing to start but a holder")
+        quotas = dict(quotas or {})
+        if quotas and (master_address is not None or not with_holder):
+            raise ConfigError("quotas need a pool of its own: a master and its holders")
+        shares = Shares.plan(segment_size, quotas) if quotas else None
         find_binary(MASTER_BINARY if master_address is None else HOLDER_BINARY)
         check_local_address(host)
         PoolConfig(pool_secret=secret)  # a malformed secret fails before anything starts
@@ -185,12 +200,17 @@ class LocalPool:
             secret=secret,
             disk_dir=str(disk_dir),
             disk_bytes=disk_bytes,
+            quotas=quotas,
         )
         try:
+            if shares is not None:
+                (home / QUOTA_FILE).write_text(shares.policy_yaml())
             if master_address is None:
                 pool._start_master(timeout_s)
             if with_holder:
                 pool._start_holder(timeout_s)
+            for tenant in quotas:
+                pool._start_holder(timeout_s, tenant)
         except BaseException:
             pool.stop()
             raise
@@ -228,7 +248,12 @@ class LocalPool:
             secret=str(data.get("pool_secret") or ""),
             disk_dir=str(data.get("disk_dir") or ""),
             disk_bytes=_int(data.get("disk_bytes")),
+            quotas=_sizes(data.get("quotas")),
         )
+        with contextlib.suppress(ConfigError):  # malformed: no tenant holders to name
+            pool.tenant_holders = PoolConfig(
+                tenant_holders=str(data.get("tenant_holders") or "")
+            ).holders_by_tenant()
         master_pid = data.get("master_pid")
         if isinstance(master_pid, int) and master_pid > 0:
             port = _split_address(master)[1]
@@ -245,6 +270,13 @@ class LocalPool:
             pool._holder = _Process(
                 "holder", HOLDER_BINARY, holder_pid, f"--port={port}", path.parent / "holder.log"
             )
+        for tenant, pid in _sizes(data.get("tenant_holder_pids")).items():
+            if pid > 0 and tenant in pool.tenant_holders:
+                port = _split_address(pool.tenant_holders[tenant])[1]
+                log_path = path.parent / f"holder-{tenant}.log"
+                pool._tenant_procs[tenant] = _Process(
+                    f"holder-{tenant}", HOLDER_BINARY, pid, f"--port={port}", log_path
+                )
         return pool
 
     def _start_master(self, timeout_s: float, ports: tuple[int, int] | None = None) -> None:
@@ -259,6 +291,7 @@ class LocalPool:
                 f"--default_kv_lease_ttl={self.lease_ttl_ms}",
                 "--logtostderr",
                 *(["--enable_offload=true", "--offload_on_evict=true"] if self.disk_dir else []),
+                *(self._quota_args() if self.quotas else []),
             ]
             proc = _spawn(
                 "master",
@@ -281,6 +314,11 @@ class LocalPool:
                 log.info("master exited early (port clash?); retrying on new ports")
         raise self._failure(proc, "exited during start-up")
 
+    def _quota_args(self) -> list[str]:
+        """The master's tenant flags: quotas from the policy file ``start`` wrote."""
+        policy = self.home / QUOTA_FILE
+        return ["--enable_multi_tenants=true", f"--tenant_quota_connector_uri={policy}"]
+
     def _master_ready(self) -> bool:
         host, port = _split_address(self.master_address)
         if not _port_accepts(host, port):
@@ -291,34 +329,43 @@ class LocalPool:
         except StoreUnavailable:
             return False
 
-    def _start_holder(self, timeout_s: float) -> None:
+    def _start_holder(self, timeout_s: float, tenant: str = "") -> None:
+        """Start the holder, or (``tenant``) that quota tenant's holder."""
         before = set(self._segments())
-        port = _split_address(self.holder_address)[1] if self.holder_address else 0
+        address = self.tenant_holders.get(tenant, "") if tenant else self.holder_address
+        port = _split_address(address)[1] if address else 0
+        segment = self.quotas[tenant] if tenant else self.segment_size - sum(self.quotas.values())
+        role = f"holder-{tenant}" if tenant else "holder"
         for attempt in range(1, _START_ATTEMPTS + 1):
             if not port or not _port_free(port, self.host):
                 port = free_ports(1, self.host)[0]
             args = [
                 f"--host={self.host}",
                 f"--port={port}",
-                f"--global_segment_size={self.segment_size}",
+                f"--global_segment_size={segment}",
                 "--metadata_server=P2PHANDSHAKE",
                 f"--master_server_address={self.master_address}",
                 "--protocol=tcp",
                 "--logtostderr",
                 *(["--enable_offload=true"] if self.disk_dir else []),
+                *([f"--tenant_id={tenant}"] if tenant else []),
             ]
             proc = _spawn(
-                "holder",
+                role,
                 HOLDER_BINARY,
                 args,
                 f"--port={port}",
-                self.home / "holder.log",
+                self.home / f"{role}.log",
                 self.detach,
                 self.host,
                 self._disk_env(),
             )
-            self._holder = proc
-            self.holder_address = f"{self.host}:{port}"
+            if tenant:
+                self._tenant_procs[tenant] = proc
+                self.tenant_holders[tenant] = f"{self.host}:{port}"
+            else:
+                self._holder = proc
+                self.holder_address = f"{self.host}:{port}"
 
             def ready(port: int = port) -> bool:
                 if not _port_accepts(self.host, port):
@@ -392,18 +439,22 @@ class LocalPool:
 
     def is_alive(self) -> bool:
         """Whether every process this handle names still runs (as that mooncake process)."""
-        procs = [p for p in (self._master, self._holder) if p is not None]
+        procs = [p for p in self._procs() if p is not None]
         return bool(procs) and all(p.running() for p in procs)
 
+    def _procs(self) -> list[_Process | None]:
+        """Every process of this handle: the holders first, the master last."""
+        return [*self._tenant_procs.values(), self._holder, self._master]
+
     def stop(self, timeout_s: float = 5.0, *, kill: bool = False) -> None:
-        """Stop the holder, then the master: SIGTERM, wait, SIGKILL. Idempotent.
+        """Stop the holders, then the master: SIGTERM, wait, SIGKILL. Idempotent.
 
         ``kill``: SIGKILL at once (tests: the master spends ~0.9 s on a SIGTERM,
         and a throwaway pool has nothing to shut down cleanly).
         Children are reaped; PIDs from a pool file are signalled only while verified.
         """
         sig = signal.SIGKILL if kill else signal.SIGTERM
-        for proc in (self._holder, self._master):
+        for proc in self._procs():
             if proc is not None:
                 proc.stop(timeout_s, sig)
                 log.info("stopped %s (pid %d)", proc.role, proc.pid)
@@ -477,6 +528,7 @@ class LocalPool:
             global_segment_size=0,
             pool_file=str(self.pool_file or ""),
             pool_secret=self.secret,
+            tenant_holders=_holders_text(self.tenant_holders),
         )
         return replace(base, **overrides)
 
@@ -506,6 +558,15 @@ class LocalPool:
             "created": self.created,
             **({"disk_dir": self.disk_dir, "disk_bytes": self.disk_bytes} if self.disk_dir else {}),
             **secret,
+            **(self._quota_data() if self.quotas else {}),
+        }
+
+    def _quota_data(self) -> dict[str, Any]:
+        pids = {t: p.pid for t, p in self._tenant_procs.items()}
+        return {
+            "tenant_holders": _holders_text(self.tenant_holders),
+            "quotas": dict(self.quotas),
+            "tenant_holder_pids": pids,
         }
 
     def write_pool_file(self, path: str | Path) -> Path:
@@ -540,10 +601,21 @@ class LocalPool:
 
     def processes(self) -> Iterator[tuple[str, int, bool]]:
         """(role, pid, running) for each process this handle names."""
-        for proc in (self._master, self._holder):
+        for proc in (self._master, self._holder, *self._tenant_procs.values()):
             if proc is not None:
                 yield proc.role, proc.pid, proc.running()
 
 
 def _int(value: object, default: int = 0) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _sizes(value: object) -> dict[str, int]:
+    """{name: int} of a pool file's JSON object (other entries left out)."""
+    items = value.items() if isinstance(value, dict) else ()
+    return {str(k): v for k, v in items if _int(v, -1) >= 0}
+
+
+def _holders_text(holders: Mapping[str, str]) -> str:
+    """``PoolConfig.tenant_holders`` of {tenant: host:port}."""
+    return ",".join(f"{t}={a}" for t, a in holders.items())

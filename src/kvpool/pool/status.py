@@ -9,6 +9,7 @@
     pool_status(pool, read_heads=store.read_heads)
                                  the same, with the oldest write time among
                                  ``AGE_SAMPLE`` random objects' headers (``ages``)
+                                 and, with tenant quotas, each tenant's bytes
     namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
                                  group (``NamespaceSummary``); other keys counted
                                  apart; ``pool_status`` adds each group's bytes
@@ -38,6 +39,7 @@ from kvpool.pool.master_api import (
     segment_capacities,
     segment_usage,
 )
+from kvpool.pool.quotas import tenant_usage
 
 __all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
 
@@ -127,6 +129,10 @@ class PoolStatus:
     # ``ages_sampled`` random kvpool objects; None when none was read or said one.
     oldest_written_ms: int | None = None
     ages_sampled: int = 0
+    # Tenant quotas (``kvpool.pool.quotas``): Mooncake tenant -> (bytes charged, quota).
+    # The master lists the keys of its ``default`` tenant only: ``keys`` and
+    # ``namespaces`` leave out those of tenants with a quota.
+    tenants: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -200,6 +206,7 @@ def pool_status(
         refused_puts=gauge("master_put_start_alloc_failures_total"),
         oldest_written_ms=oldest,
         ages_sampled=aged,
+        tenants=tenant_usage(metrics),
     )
 
 

@@ -21,6 +21,10 @@ other memory), and the holder copies between it and its segment, skipping
 loopback TCP (several times faster for large objects). Objects are the same
 objects a TCP client sees.
 
+Tenants (``PoolConfig.mooncake_tenant``, on a pool with quotas): a TCP client
+names its tenant at setup; a shared-memory client is its holder's tenant (each
+quota tenant has its own holder, ``PoolConfig.for_tenant``).
+
 Setup fails fast and says why: a missing wheel or ``libibverbs.so.1`` raises
 ``StoreMissingDependency`` naming what to install; a master that does not
 accept a TCP connection within ``setup_timeout_s`` raises ``StoreUnavailable``
@@ -123,7 +127,7 @@ class MooncakeStore(KVStore):
         )
 
     def _setup_tcp(self, config: PoolConfig, master: str) -> None:
-        rc = self._store.setup(
+        args = [
             config.local_hostname,
             config.metadata_server,
             config.global_segment_size,
@@ -131,7 +135,10 @@ class MooncakeStore(KVStore):
             config.protocol,
             config.device_name,
             master,
-        )
+        ]
+        if config.mooncake_tenant:  # engine, SSD offload, its path, then the tenant
+            args += [None, False, "", config.mooncake_tenant]
+        rc = self._store.setup(*args)
         if rc != 0:
             raise StoreUnavailable(
                 f"Mooncake client setup against mooncake_master at {master} failed "

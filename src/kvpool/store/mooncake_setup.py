@@ -61,6 +61,9 @@ _CODES: dict[int, Status] = {
     -900: Status.UNAVAILABLE,  # RPC_FAIL (e.g. the master is gone)
     -901: Status.UNAVAILABLE,  # RPC_TIMEOUT
     -1: Status.UNAVAILABLE,  # INTERNAL_ERROR
+    # A tenant past its quota (``kvpool up --quota``): the master evicts that tenant's
+    # own objects; the put, tried again 0.1 s later, landed (measured): a full pool.
+    -1700: Status.NO_SPACE,
 }
 _unknown_logged: set[int] = set()
 

@@ -114,6 +114,22 @@ def _log_like_vllm() -> None:
         ours.setLevel(theirs.level or logging.INFO)
 
 
+def tenant_config(pool: PoolConfig, tenant: str) -> PoolConfig:
+    """``pool`` for an engine of ``tenant``: its quota's holder and Mooncake tenant
+    where the pool has a quota for it (``PoolConfig.for_tenant``); said once."""
+    mine = pool.for_tenant(tenant)
+    if mine.mooncake_tenant:
+        logger.info("kvpool: tenant %s puts within its quota, through %s", tenant,
+                    mine.holder_address)  # fmt: skip
+    elif pool.tenant_holders:
+        logger.info(
+            "kvpool: the pool has quotas for %s; %s shares the rest of its memory",
+            ", ".join(pool.holders_by_tenant()),
+            f"tenant {tenant}" if tenant else "this engine (no tenant)",
+        )
+    return mine
+
+
 def _holder_is_local(pool: PoolConfig) -> bool:
     host = pool.holder_address.rpartition(":")[0]
     return bool(host) and (host in ("127.0.0.1", "localhost", "::1") or host == pool.local_hostname)
@@ -210,7 +226,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 settings.token_classes,
                 settings.tenant,
             )
-            pool = load_config(pool_settings)
+            pool = tenant_config(load_config(pool_settings), settings.tenant)
             pool.require_master()
             events_config = getattr(vllm_config, "kv_events_config", None)
             events = bool(getattr(events_config, "enable_kv_cache_events", False))

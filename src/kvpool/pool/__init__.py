@@ -3,7 +3,8 @@
     binaries     find_binary: the Mooncake executables, or what to install
     master_api   the master's HTTP API: metrics, health, keys, wait_until
     processes    children and PIDs from pool files, verified before every signal
-    local        LocalPool: start / attach, stop, faults, pool files
+    local        LocalPool: start / attach, stop, pool files
+    faults       the faults tests inject into its processes (a mixin of LocalPool)
     quotas       tenant quotas: shares of the pool's memory, the master's policy
     status       pool_status and namespace_counts for ``kvpool status``
 

@@ -1,5 +1,5 @@
 """Start, stop and inspect a local pool: ``mooncake_master`` and a holder on loopback.
-(About 550 lines: one class, the pool's whole life cycle and the faults tests inject.)
+(About 570 lines: one class, the whole life cycle of a pool: master, holders, pool files.)
 
     LocalPool.start(home, ...)   start ``mooncake_master`` and (``with_holder``) a
                                  standalone holder (``mooncake_client``) on free
@@ -11,14 +11,7 @@
     pool.stop()                  SIGTERM, wait, SIGKILL fallback; reaps its children.
                                  Idempotent; PIDs from a file are signalled only while
                                  verified (``processes``)
-    pool.kill_holder()           SIGKILL the holder (fault tests): its segment stays
-                                 mounted on the master until ``client_ttl`` expires
-    pool.restart_holder()        start a fresh holder (same port if free); the old
-                                 holder's objects are gone
-    pool.kill_master() / restart_master()  SIGKILL the master / start an empty one
-                                 on the same ports (fault tests)
-    pool.freeze_holder() / thaw_holder()   SIGSTOP / SIGCONT the holder: a host cut
-                                 off from the network, and back
+    pool.kill_holder(), ...      the faults tests inject (``kvpool.pool.faults``)
     pool.config(**overrides)     a ``PoolConfig`` for a pure client of this pool
                                  (``global_segment_size`` 0)
     pool.write_pool_file(path)   the JSON pool file that ``kvpool up`` leaves behind
@@ -62,6 +55,7 @@ from typing import Any, Self
 from kvpool.config import PoolConfig, read_pool_file
 from kvpool.errors import ConfigError, StoreUnavailable
 from kvpool.pool.binaries import HOLDER_BINARY, MASTER_BINARY, find_binary
+from kvpool.pool.faults import PoolFaults
 from kvpool.pool.master_api import master_health, master_metrics, segment_capacities
 from kvpool.pool.processes import (
     _POLL_S,
@@ -104,7 +98,7 @@ _DISK_ENV = {
 
 
 @dataclass
-class LocalPool:
+class LocalPool(PoolFaults):
     """A master and/or holder on ``host``; build it with ``start`` or ``attach``."""
 
     home: Path
@@ -458,53 +452,6 @@ class LocalPool:
             if proc is not None:
                 proc.stop(timeout_s, sig)
                 log.info("stopped %s (pid %d)", proc.role, proc.pid)
-
-    def kill_holder(self) -> None:
-        """SIGKILL the holder and reap it; the master keeps its segment for ``client_ttl``."""
-        if self._holder is None:
-            raise ConfigError("this pool has no holder to kill")
-        self._holder.stop(5.0, signal.SIGKILL)
-
-    def restart_holder(self, timeout_s: float = 20.0) -> None:
-        """Stop the holder if it runs, then start a fresh one (same port if still free)."""
-        if self.master_address == "" or self.segment_size <= 0:
-            raise ConfigError("this pool has no holder to restart")
-        if self._holder is not None:
-            self._holder.stop(5.0)
-        try:
-            self._start_holder(timeout_s)
-        except BaseException:
-            if self._holder is not None:
-                self._holder.stop(2.0)
-            raise
-
-    def kill_master(self) -> None:
-        """SIGKILL the master and reap it (fault tests); every object's metadata is lost."""
-        if self._master is None:
-            raise ConfigError("this pool did not start its master; there is none to kill")
-        self._master.stop(5.0, signal.SIGKILL)
-
-    def restart_master(self, timeout_s: float = 20.0) -> None:
-        """Start the master again on its old ports (an empty one: metadata is not kept)."""
-        if self._master is None:
-            raise ConfigError("this pool did not start its master; there is none to restart")
-        self._master.stop(5.0)
-        rpc = _split_address(self.master_address)[1]
-        metrics = _split_address(self.metrics_url.removeprefix("http://"))[1]
-        self._start_master(timeout_s, ports=(rpc, metrics))
-
-    def freeze_holder(self) -> None:
-        """SIGSTOP the holder: to its peers it is a host cut off from the network
-        (connections stay open, nothing answers)."""
-        if self._holder is None:
-            raise ConfigError("this pool has no holder to freeze")
-        self._holder.send(signal.SIGSTOP)
-
-    def thaw_holder(self) -> None:
-        """SIGCONT a frozen holder."""
-        if self._holder is None:
-            raise ConfigError("this pool has no holder to thaw")
-        self._holder.send(signal.SIGCONT)
 
     def __enter__(self) -> Self:
         return self

@@ -22,7 +22,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvpool.pool import LocalPool, NamespaceSummary, PoolStatus
-from kvpool.pool.quotas import DEFAULT_TENANT
+from kvpool.pool.quotas import DEFAULT_TENANT, QUOTA_FILL
 
 __all__ = [
     "format_age",
@@ -115,7 +115,8 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     for tenant, address in pool.tenant_holders.items():
         t.add_row(
             f"tenant {tenant}",
-            f"{address}  (holder, quota {format_bytes(pool.quotas.get(tenant))})",
+            f"{address}  (holder of its share, {format_bytes(pool.quotas.get(tenant))}; "
+            f"quota {format_bytes(int(pool.quotas.get(tenant, 0) * QUOTA_FILL))})",
         )
     t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
     t.add_row("pool file", str(pool_file))

@@ -84,3 +84,19 @@ def test_bad_options_exit_2_with_one_line(
     rc = run(["bench", "capacity", *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and err.count("\n") == 1
+
+
+def test_the_chart_shows_the_pool_beside_lru_at_each_n() -> None:
+    import xml.etree.ElementTree as ET
+
+    from kvpool.cli.bench_capacity_cmd import capacity_chart
+
+    result = CapacityBench(
+        SHAPES["small"], CapacityWorkload(), (_row(1, 700, 710), _row(4, 450, 530))
+    )
+    root = ET.fromstring(capacity_chart(result))
+    lines = root.findall("{http://www.w3.org/2000/svg}polyline")
+    names = [line.findtext("{http://www.w3.org/2000/svg}title") for line in lines]
+    assert names == ["kvpool pool: hits", "LRU cache of its bytes", "newest 4 prefixes kept"]
+    pool = [p.split(",") for p in lines[0].get("points", "").split()]
+    assert len(pool) == 2 and float(pool[0][1]) < float(pool[1][1])  # 70% above 45%

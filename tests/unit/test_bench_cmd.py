@@ -113,6 +113,18 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     full = 3968 * 131072  # one copy of every hittable byte takes 0.1 s
     assert result.load_vs_copy(measured, 0) == pytest.approx(0.25 / (0.1 * (1 << 30) / full))
     assert result.verdict(hit, 0) == "8.0x"
+    # its chart: the baseline's two lines and one per connector, one point per length
+    import xml.etree.ElementTree as ET
+
+    from kvpool.cli.bench_vllm_cmd import engine_bench_chart
+
+    svg = ET.fromstring(engine_bench_chart(result))
+    polylines = svg.findall("{http://www.w3.org/2000/svg}polyline")
+    assert [p.findtext("{http://www.w3.org/2000/svg}title") for p in polylines] == [
+        "no connector: prefill", "no connector: local hit", "kvpool: warm engine",
+        "mooncake: warm engine",
+    ]  # fmt: skip
+    assert all(len(p.get("points", "").split()) == 1 for p in polylines)
     assert result.verdict(miss, 0) == "no hits" and result.load_gbps(miss, 0) is None
     short = ConnectorRun("mooncake", hit.rows, 1 << 20, 125, saves_landed=31, saves_expected=156)
     assert result.verdict(short, 0) == "lost 125"  # saves that never landed: no speed-up

@@ -24,6 +24,7 @@ from kvpool.cli.bench_transfer_cmd import (
     TRANSFER_SIZES,
     transfer_bench_json,
     transfer_bench_tables,
+    transfer_chart,
     transfer_hooks_table,
     transfer_verdicts,
 )
@@ -187,3 +188,20 @@ def main(argv: list[str]) -> int:
     from kvpool.cli.app import run
 
     return run(argv)
+
+
+def test_the_chart_has_kvpools_save_and_load_per_path_and_a_copy_on_a_log2_axis() -> None:
+    import xml.etree.ElementTree as ET
+
+    svg = ET.fromstring(transfer_chart(BENCH))
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = {
+        p.findtext(f"{ns}title"): p.get("points", "").split() for p in svg.iter(f"{ns}polyline")
+    }
+    assert list(lines) == ["tcp: kvpool save", "tcp: kvpool load", "shared memory: kvpool save",
+                           "shared memory: kvpool load", "numpy copy"]  # fmt: skip
+    assert all(len(points) == 2 for points in lines.values())  # one point per size
+    xs = [float(p.split(",")[0]) for p in lines["numpy copy"]]
+    assert xs[0] < xs[1]  # 256 KiB left of 1 MiB
+    ticks = [t.text for t in svg.iter(f"{ns}text")]
+    assert "256" in ticks and "1024" in ticks  # object sizes in KiB, one tick each

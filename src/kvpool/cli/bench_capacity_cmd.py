@@ -18,11 +18,12 @@ from rich.table import Table
 from kvpool.bench.capacity import CapacityBench, CapacityWorkload
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.bench_vllm_cmd import shape_or_fail
+from kvpool.cli.charts import Series, line_chart, plot_option
 from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
 from kvpool.demo.shapes import SHAPES
 from kvpool.pool.local import LEASE_TTL_MS
 
-__all__ = ["capacity_table"]
+__all__ = ["capacity_chart", "capacity_table"]
 
 
 def _ms(s: float | None) -> str:
@@ -68,6 +69,20 @@ def capacity_table(result: CapacityBench) -> Table:
     return t
 
 
+def capacity_chart(result: CapacityBench) -> str:
+    """Hit rate against N: the pool's, an LRU cache's of the same bytes, and what a
+    fresh engine loads of the prefixes used last (an SVG line chart)."""
+    rows = result.summary()
+    series = [
+        Series("kvpool pool: hits", tuple((r.ratio, 100 * r.pool_hit_rate) for r in rows)),
+        Series("LRU cache of its bytes", tuple((r.ratio, 100 * r.lru_hit_rate) for r in rows)),
+        Series("newest 4 prefixes kept", tuple((r.ratio, 100 * r.newest_kept) for r in rows)),
+    ]
+    w = result.workload
+    title = f"a {w.pool_mib} MiB pool, {w.prefix_tokens}-token prefixes (Zipf {w.alpha:g})"
+    return line_chart(title, "N: working set over pool memory", "%", series, y_max=100)
+
+
 @bench.command("capacity")
 @click.option("--shape", default="small", show_default=True,
               help=f"KV shape: one of {', '.join(SHAPES)}, or LxHxD[:dtype].")  # fmt: skip
@@ -95,6 +110,7 @@ def capacity_table(result: CapacityBench) -> Table:
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
+@plot_option("hit rate against N")
 def bench_capacity(
     shape: str,
     pool_mib: int,
@@ -109,6 +125,7 @@ def bench_capacity(
     workdir: Path | None,
     as_json: bool,
     table_only: bool,
+    plot: Path | None,
 ) -> None:
     """Pool hit rate against an LRU cache when the working set is N times the pool."""
     from kvpool.bench.capacity import run_capacity_bench
@@ -150,3 +167,6 @@ def bench_capacity(
         click.echo(json.dumps(dataclasses.asdict(result)))
     else:
         console.print(capacity_table(result))
+    if plot is not None:
+        plot.write_text(capacity_chart(result))
+        click.echo(f"chart written to {plot}", err=True)

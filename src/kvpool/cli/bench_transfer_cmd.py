@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -35,6 +36,7 @@ from kvpool.cli.bench_cmd import (
     bench,
     pool_options,
 )
+from kvpool.cli.charts import Series, line_chart, plot_option
 from kvpool.errors import KVPoolError
 
 if TYPE_CHECKING:  # the module imports torch: only the command itself loads it
@@ -267,40 +269,19 @@ def transfer_bench_json(bench: TransferBench) -> dict[str, Any]:
     return data
 
 
-def _plot_transfer(bench: TransferBench, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, op in zip(axes, ("save", "load"), strict=True):
-        for p in dict.fromkeys(r.path for r in bench.results):
-            rows = [r for r in bench.results if r.path == p]
-            x = [r.size / 1024 for r in rows]
-            color = "tab:red" if rows[0].transport == "shared memory" else "tab:blue"
-            for name, style in (("raw", ":"), ("kvpool", "-"), ("kvpool+checksum", "--"),
-                                ("zero-copy", "-.")):  # fmt: skip
-                y = [getattr(next(v for v in r.variants if v.name == name), op) for r in rows]
-                ax.plot(x, y, style, color=color, marker="o", label=f"{p} {name}")
-        first = [r for r in bench.results if r.path == bench.results[0].path]
-        ax.plot([r.size / 1024 for r in first], [r.copy for r in first], "k-.", label="numpy copy")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("object size (KiB)")
-        ax.set_title(f"{op}: KV tensors {'->' if op == 'save' else '<-'} pool")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s (median)")
-    axes[1].legend(fontsize="small")
-    fig.suptitle(f"kvpool bench transfer ({_label(bench.total_bytes)} per repeat)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _have_matplotlib() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("matplotlib") is not None
+def transfer_chart(bench: TransferBench) -> str:
+    """GB/s against object size: kvpool's saves and loads on each path, and one
+    numpy copy of the same bytes (an SVG line chart, object sizes on a log-2 axis)."""
+    series = []
+    for path in dict.fromkeys(r.path for r in bench.results):
+        rows = [r for r in bench.results if r.path == path]
+        for op in ("save", "load"):
+            points = tuple((r.size / 1024, getattr(r.kvpool, op)) for r in rows)
+            series.append(Series(f"{rows[0].transport}: kvpool {op}", points))
+    first = [r for r in bench.results if r.path == bench.results[0].path]
+    series.append(Series("numpy copy", tuple((r.size / 1024, r.copy) for r in first)))
+    title = f"kvpool bench transfer ({_label(bench.total_bytes)} per repeat)"
+    return line_chart(title, "object size (KiB)", "GB/s (median)", series, x_log2=True)
 
 
 @bench.command("transfer")
@@ -338,8 +319,7 @@ def _have_matplotlib() -> bool:
     help="Idle engine steps timed for the worker-hook overhead (0 skips it).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Write a PNG of GB/s against object size (needs matplotlib).")  # fmt: skip
+@plot_option("GB/s against object size")
 def transfer_cmd(
     master: str | None,
     pool_file: str | None,
@@ -351,7 +331,7 @@ def transfer_cmd(
     paths: tuple[str, ...],
     hook_steps: int,
     as_json: bool,
-    plot: str | None,
+    plot: Path | None,
 ) -> None:
     """Throughput of the TransferEngine, KV tensors to the pool and back, against raw Mooncake."""
     import os
@@ -370,9 +350,6 @@ def transfer_cmd(
             kv_shape_for(s, layers)
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
-    if plot is not None and not _have_matplotlib():
-        click.echo("kvpool: --plot needs matplotlib: pip install matplotlib", err=True)
-        plot = None
     given = _config(master, pool_file, checksum=True) if master or pool_file else None
     with PhaseBars(transient=True, disable=as_json) as bars:
         bars("pool", 0, 1)
@@ -390,8 +367,7 @@ def transfer_cmd(
         parts.extend(transfer_verdicts(result))
         console.print(Group(*parts))
     if plot is not None:
-        _plot_transfer(result, plot)
-        if not as_json:
-            console.print(f"plot written to {plot}")
+        plot.write_text(transfer_chart(result))
+        click.echo(f"chart written to {plot}", err=True)
     if result.failures:
         raise KVPoolError(f"{result.failures} chunk transfers failed or came back different")

@@ -19,12 +19,13 @@ from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
 from kvpool.cli.bench_cmd import bench
+from kvpool.cli.charts import Series, line_chart, plot_option
 from kvpool.cli.console import TABLE_HELP, PhaseBars, console, table_rows
 from kvpool.demo.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.errors import ConfigError
 from kvpool.settings import parse_extra
 
-__all__ = ["connectors_or_fail", "engine_bench_table", "shape_or_fail"]
+__all__ = ["connectors_or_fail", "engine_bench_chart", "engine_bench_table", "shape_or_fail"]
 
 # Settings that would point the engines away from the bench's private pool.
 _BENCH_OWNS = frozenset({"pool_file", "master_address", "holder_address", "metrics_url"})
@@ -77,6 +78,26 @@ def engine_bench_table(result: EngineBench) -> Table:
     )
     t.caption = stored
     return t
+
+
+def engine_bench_chart(result: EngineBench) -> str:
+    """TTFT against prompt length: the baseline's prefill and local hit, and each
+    connector's warm engine (an SVG line chart)."""
+
+    def ms(times: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+        return tuple((n, t * 1000) for n, t in zip(result.lengths, times, strict=True))
+
+    series = [
+        Series("no connector: prefill", ms(result.prefill_s)),
+        Series("no connector: local hit", ms(result.local_hit_s)),
+        *(
+            Series(f"{run.name}: warm engine",
+                   tuple((r.tokens, r.warm_ttft_s * 1000) for r in run.rows))
+            for run in result.runs
+        ),
+    ]  # fmt: skip
+    title = f"vLLM engines, {result.shape.kv_bytes_per_token >> 10} KiB of KV per token"
+    return line_chart(title, "prompt tokens", "time to first token (ms)", series)
 
 
 def _ratio(x: float | None) -> str:
@@ -155,6 +176,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
+@plot_option("TTFT against prompt length")
 def bench_vllm(
     shape: str,
     lengths: str,
@@ -163,6 +185,7 @@ def bench_vllm(
     workdir: Path | None,
     as_json: bool,
     table_only: bool,
+    plot: Path | None,
 ) -> None:
     """TTFT at a real model's KV size: kvpool, vLLM's in-tree connector, no connector."""
     from kvpool.bench.engines import run_engine_bench
@@ -205,3 +228,6 @@ def bench_vllm(
     else:
         console.print(engine_bench_table(result))
         console.print(engine_bench_legend(result))
+    if plot is not None:
+        plot.write_text(engine_bench_chart(result))
+        click.echo(f"chart written to {plot}", err=True)

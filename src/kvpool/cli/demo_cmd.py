@@ -5,7 +5,7 @@ Runs ``kvpool.demo.run.run_demo`` with progress bars, prints a table per request
 token of the cold prefill, of a local hit and of the pool hit) and totals (bytes
 saved and loaded, lookups, pool keys), and exits 1 unless every request of the
 fresh engine hit the pool and answered exactly like the local hit. ``--plot``
-writes a PNG of cold vs warm time to first token.
+writes an SVG chart of cold vs warm time to first token (``kvpool.cli.charts``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich import box
 from rich.console import Group
 from rich.table import Table
 
+from kvpool.cli.charts import Series, bar_chart, plot_option
 from kvpool.cli.console import PhaseBars
 from kvpool.demo.run import DemoReport
 from kvpool.demo.shapes import parse_shape
@@ -99,24 +100,15 @@ def demo_tables(report: DemoReport) -> Group:
 
 
 def _plot(report: DemoReport, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from exc
-    names = [r.name for r in report.rows]
-    x = range(len(names))
-    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.9), 4))
-    ax.bar([i - 0.2 for i in x], [r.cold_ttft_s * 1000 for r in report.rows], 0.4, label="cold")
-    ax.bar([i + 0.2 for i in x], [r.warm_ttft_s * 1000 for r in report.rows], 0.4, label="warm")
-    ax.set_xticks(list(x), names, rotation=30, ha="right")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("kvpool: cold vs warm engine")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    """Cold against warm TTFT per measured request, as an SVG bar chart."""
+    rows = report.rows
+    groups = [r.name for r in rows]
+    series = [
+        Series("cold engine", tuple((i, r.cold_ttft_s * 1000) for i, r in enumerate(rows))),
+        Series("warm engine", tuple((i, r.warm_ttft_s * 1000) for i, r in enumerate(rows))),
+    ]
+    chart = bar_chart("kvpool demo: time to first token", "ms", groups, series)
+    path.write_text(chart)
 
 
 @click.command()
@@ -135,12 +127,7 @@ def _plot(report: DemoReport, path: Path) -> None:
     default=None,
     help="Keep the model, logs and pool here (default: a temporary folder).",
 )
-@click.option(
-    "--plot",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a PNG of cold vs warm time to first token.",
-)
+@plot_option("cold vs warm time to first token")
 def demo(
     conversations: int,
     turns: int,

@@ -33,9 +33,13 @@ def test_every_readme_table_is_a_report_block_of_its_commands_format() -> None:
 
 @pytest.mark.parametrize("name", sorted(REPORTS))
 def test_each_report_command_is_one_the_cli_accepts(name: str) -> None:
+    from kvpool.cli.app import cli
+
     args = [*REPORTS[name].args, "--table"]
-    command = bench.commands[args[0]]
-    ctx = command.make_context(args[0], args[1:])  # parses and checks every option
+    command: click.Command = cli
+    while isinstance(command, click.Group):  # down to the command the args name
+        command, args = command.commands[args[0]], args[1:]
+    ctx = command.make_context(command.name or "", args)  # parses and checks every option
     assert ctx.params["table_only"] is True
 
 
@@ -45,6 +49,8 @@ def test_a_block_is_rewritten_in_place_and_read_back() -> None:
     )
     table = "a  b\n────\n1  2"
     out = put_block(text, "vllm", REPORTS["vllm"].command, table, "6 December 2026")
+    assert REPORTS["vllm"].command.startswith("kvpool bench vllm ")
+    assert REPORTS["demo"].command == "kvpool demo"
     assert out.startswith("intro\n") and out.endswith("<!-- /report -->\nend\n")
     (block,) = readme_blocks(out)
     assert block.command == REPORTS["vllm"].command and block.date == "6 December 2026"

@@ -1,7 +1,8 @@
 """``kvpool bench report``: the README's bench tables, made again by their commands.
 
-    REPORTS[name]            a README table: the ``kvpool bench`` command line that
-                             makes it, and the table function whose columns it has
+    REPORTS[name]            a README table: the ``kvpool`` command line that makes
+                             it (a bench, or the demo), and the table function whose
+                             columns it has
     readme_blocks(text)      the report blocks of a README: (name, command, date,
                              table lines) each
     put_block(text, name, command, table, date)
@@ -44,17 +45,17 @@ __all__ = ["REPORTS", "Report", "put_block", "readme_blocks"]
 
 _OPEN = re.compile(r"^<!-- report ([a-z0-9-]+) -->$", re.M)
 _CLOSE = "<!-- /report -->"
-_COMMAND = re.compile(r"^    \$ (kvpool bench .+?)\s+# (\d{1,2} [A-Z][a-z]+ \d{4})$")
+_COMMAND = re.compile(r"^    \$ (kvpool .+?)\s+# (\d{1,2} [A-Z][a-z]+ \d{4})$")
 
 
 @dataclass(frozen=True)
 class Report:
-    args: tuple[str, ...]  # after ``kvpool bench``
+    args: tuple[str, ...]  # after ``kvpool``
     empty_table: Callable[[], Any]  # the command's table with no rows: its columns
 
     @property
     def command(self) -> str:
-        return shlex.join(["kvpool", "bench", *self.args])
+        return shlex.join(["kvpool", *self.args])
 
 
 def _vllm_table() -> Any:
@@ -81,10 +82,28 @@ def _capacity_table() -> Any:
     return capacity_table(CapacityBench(SHAPES["small"], CapacityWorkload(), ()))
 
 
+def _transfer_table() -> Any:
+    from kvpool.bench.transfer import TransferBench
+    from kvpool.cli.bench_transfer_cmd import transfer_summary_table
+
+    return transfer_summary_table(TransferBench((), "", 0, 0, 0))
+
+
+def _demo_table() -> Any:
+    from kvpool.cli.demo_cmd import demo_request_table
+    from kvpool.demo.run import DemoReport
+
+    return demo_request_table(DemoReport([], {}, {}, 0, 0, ""))
+
+
 REPORTS: dict[str, Report] = {
-    "vllm": Report(("vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table),
-    "serve": Report(("serve", "--shape", "llama3-8b"), _serve_table),
-    "capacity": Report(("capacity", "--repeats", "3"), _capacity_table),
+    "demo": Report(("demo",), _demo_table),
+    "vllm": Report(
+        ("bench", "vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table
+    ),
+    "serve": Report(("bench", "serve", "--shape", "llama3-8b"), _serve_table),
+    "capacity": Report(("bench", "capacity", "--repeats", "3"), _capacity_table),
+    "transfer": Report(("bench", "transfer"), _transfer_table),
 }
 
 
@@ -108,7 +127,7 @@ def readme_blocks(text: str) -> list[Block]:
         first = _COMMAND.match(lines[0]) if lines else None
         if first is None:
             raise ValueError(
-                f"report block {name!r} must begin with '    $ kvpool bench ...   # D Month YYYY'"
+                f"report block {name!r} must begin with '    $ kvpool ...   # D Month YYYY'"
             )
         if any(line and not line.startswith("    ") for line in lines[1:]):
             raise ValueError(f"report block {name!r}: table lines are indented 4 spaces")
@@ -176,8 +195,8 @@ def bench_report(readme: Path, only: str) -> None:
 
 def _run(args: Sequence[str]) -> str:
     cmd = [sys.executable, "-c", "import sys; from kvpool.cli import main; sys.exit(main())"]
-    done = subprocess.run([*cmd, "bench", *args, "--table"], capture_output=True, text=True)
+    done = subprocess.run([*cmd, *args, "--table"], capture_output=True, text=True)
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise click.ClickException(f"kvpool bench {' '.join(args)} failed: {tail}")
+        raise click.ClickException(f"kvpool {' '.join(args)} failed: {tail}")
     return done.stdout.strip("\n")

@@ -37,6 +37,7 @@ from kvpool.cli.bench_cmd import (
     pool_options,
 )
 from kvpool.cli.charts import Series, line_chart, plot_option
+from kvpool.cli.console import TABLE_HELP, table_rows
 from kvpool.errors import KVPoolError
 
 if TYPE_CHECKING:  # the module imports torch: only the command itself loads it
@@ -50,6 +51,7 @@ __all__ = [
     "transfer_bench_json",
     "transfer_bench_tables",
     "transfer_hooks_table",
+    "transfer_summary_table",
     "transfer_verdicts",
 ]
 
@@ -269,6 +271,39 @@ def transfer_bench_json(bench: TransferBench) -> dict[str, Any]:
     return data
 
 
+def transfer_summary_table(bench: TransferBench) -> Table:
+    """One row per path and object size: end-to-end GB/s of each variant (KV
+    tensors -> pool -> KV tensors) and of a numpy copy; what ``--table`` prints."""
+    t = Table(title="kvpool bench transfer, end-to-end GB/s", box=box.SIMPLE_HEAD,
+              padding=(0, 1), collapse_padding=True, pad_edge=False, show_edge=False)  # fmt: skip
+    t.add_column("path")
+    t.add_column("object", justify="right")
+    names = ("raw", "kvpool", "kvpool+checksum", "kvpool+secret", "zero-copy",
+             "zero-copy+checksum")  # fmt: skip
+    short = {"kvpool+checksum": "+sum", "kvpool+secret": "+sig", "zero-copy+checksum": "0c+sum"}
+    for name in names:
+        t.add_column(short.get(name, _VARIANT_LABELS[name]), justify="right")
+    t.add_column("copy", justify="right")
+    t.add_column("fail", justify="right")
+    for r in bench.results:
+        by_name = {v.name: v for v in r.variants}
+        path = "shm" if r.transport == "shared memory" else r.transport
+        t.add_row(
+            path,
+            _label(r.size),
+            *(_gb(by_name[n].end_to_end) if n in by_name else "-" for n in names),
+            _gb(r.copy),
+            str(sum(v.failures for v in r.variants)),
+        )
+    t.caption = (
+        "GB/s = 1e9 payload bytes / (save + load seconds), medians; raw: Mooncake's own "
+        "batch calls on the same bytes; kvpool: staged, checksums off; +sum: checksums on "
+        "(the default); +sig: and signed with a pool secret; 0-copy, 0c+sum: zero_copy "
+        "without and with checksums; copy: one numpy copy of the bytes"
+    )
+    return t
+
+
 def transfer_chart(bench: TransferBench) -> str:
     """GB/s against object size: kvpool's saves and loads on each path, and one
     numpy copy of the same bytes (an SVG line chart, object sizes on a log-2 axis)."""
@@ -319,6 +354,7 @@ def transfer_chart(bench: TransferBench) -> str:
     help="Idle engine steps timed for the worker-hook overhead (0 skips it).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 @plot_option("GB/s against object size")
 def transfer_cmd(
     master: str | None,
@@ -331,6 +367,7 @@ def transfer_cmd(
     paths: tuple[str, ...],
     hook_steps: int,
     as_json: bool,
+    table_only: bool,
     plot: Path | None,
 ) -> None:
     """Throughput of the TransferEngine, KV tensors to the pool and back, against raw Mooncake."""
@@ -351,14 +388,16 @@ def transfer_cmd(
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from None
     given = _config(master, pool_file, checksum=True) if master or pool_file else None
-    with PhaseBars(transient=True, disable=as_json) as bars:
+    with PhaseBars(transient=True, disable=as_json or table_only) as bars:
         bars("pool", 0, 1)
         with _pool_or_temporary(given, TRANSFER_POOL_SEGMENT) as config:
             bars("pool", 1, 1)
             result = run_transfer_bench(
                 config, sizes, total, repeats, paths, layers, job_size, hook_steps, bars
             )
-    if as_json:
+    if table_only:
+        click.echo(table_rows(transfer_summary_table(result)))
+    elif as_json:
         click.echo(json.dumps(transfer_bench_json(result)))
     else:
         parts: list[Any] = [*transfer_bench_tables(result)]

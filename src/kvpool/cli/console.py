@@ -10,6 +10,7 @@ import io
 import os
 import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator, Sequence
 
 from rich import box
@@ -36,7 +37,8 @@ def table_rows(table: Table) -> str:
     table.title = table.caption = None
     out = Console(file=io.StringIO(), width=REPORT_WIDTH, record=True, color_system=None)
     out.print(table)
-    return "\n".join(line.rstrip() for line in out.export_text().splitlines() if line.strip())
+    lines = [line.rstrip() for line in out.export_text().splitlines() if line.strip()]
+    return textwrap.dedent("\n".join(lines))  # no margin a table's edge padding left
 
 
 def bench_table(title: str, columns: Sequence[str], left: int = 1) -> Table:

@@ -19,19 +19,20 @@ from rich.console import Group
 from rich.table import Table
 
 from kvpool.cli.charts import Series, bar_chart, plot_option
-from kvpool.cli.console import PhaseBars
+from kvpool.cli.console import TABLE_HELP, PhaseBars, table_rows
 from kvpool.demo.run import DemoReport
 from kvpool.demo.shapes import parse_shape
 
-__all__ = ["demo", "demo_tables"]
+__all__ = ["demo", "demo_request_table", "demo_tables"]
 
 
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def demo_tables(report: DemoReport) -> Group:
-    """The per-request table and the totals, as one renderable (80 columns)."""
+def demo_request_table(report: DemoReport) -> Table:
+    """A row per measured request: its tokens, what the fresh engine loaded from the
+    pool, TTFT cold, local and from the pool, and whether the answers match."""
     t = Table(
         title="kvpool demo: a cold engine, then a fresh engine on the same pool",
         caption=(
@@ -59,6 +60,12 @@ def demo_tables(report: DemoReport) -> Group:
             f"{r.warm_ttft_s / r.local_ttft_s:.1f}x" if r.hit and r.local_ttft_s > 0 else "-",
             "yes" if r.identical else "[red]NO[/red]",
         )
+    return t
+
+
+def demo_tables(report: DemoReport) -> Group:
+    """The per-request table and the totals, as one renderable (80 columns)."""
+    t = demo_request_table(report)
     s = Table(title="totals", box=box.SIMPLE_HEAD, pad_edge=False)
     s.add_column("")
     s.add_column("cold", justify="right")
@@ -128,6 +135,7 @@ def _plot(report: DemoReport, path: Path) -> None:
     help="Keep the model, logs and pool here (default: a temporary folder).",
 )
 @plot_option("cold vs warm time to first token")
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 def demo(
     conversations: int,
     turns: int,
@@ -135,6 +143,7 @@ def demo(
     shape: str | None,
     workdir: Path | None,
     plot: Path | None,
+    table_only: bool,
 ) -> None:
     """Run a cold and a warm vLLM engine sharing prefixes through a private pool."""
     from kvpool.cli.console import console
@@ -150,7 +159,7 @@ def demo(
         raise click.ClickException(f"kvpool demo needs vLLM ({exc}); run scripts/setup.sh") from exc
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as tmp:
         folder = workdir or Path(tmp)
-        with PhaseBars() as bars:
+        with PhaseBars(disable=table_only) as bars:
             report = run_demo(
                 folder,
                 conversations=conversations,
@@ -159,7 +168,10 @@ def demo(
                 shape=model_shape,
                 on_progress=bars,
             )
-        console.print(demo_tables(report))
+        if table_only:
+            click.echo(table_rows(demo_request_table(report)))
+        else:
+            console.print(demo_tables(report))
         if plot is not None:
             _plot(report, plot)
             console.print(f"plot written to {plot}")

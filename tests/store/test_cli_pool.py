@@ -423,11 +423,13 @@ def test_up_with_quotas_starts_a_holder_per_tenant_and_status_shows_each_share(
         (["teamA=32MB", "teamA=48MB"], "two quotas"),
         (["default=32MB"], "engines of no tenant"),
         (["_x=32MB"], "tenant name"),
+        (["teamA=32MB", "--disk", "/tmp/kvpool-disk-never-made"], "disk do not go together"),
     ],
 )
 def test_quotas_that_do_not_fit_are_refused_saying_what_to_change(
     home: Home, quotas: list[str], says: str
 ) -> None:
-    r = home.kvpool("up", "--segment-size", "128MB", *(f"--quota={q}" for q in quotas))
+    args = [a if a.startswith("-") or "/" in a else f"--quota={a}" for a in quotas]
+    r = home.kvpool("up", "--segment-size", "128MB", *args)
     assert r.returncode != 0 and says in r.stderr, r.stderr
     assert not home.pool_file.exists()

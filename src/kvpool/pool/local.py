@@ -171,6 +171,8 @@ class LocalPool(PoolFaults):
         quotas = dict(quotas or {})
         if quotas and (master_address is not None or not with_holder):
             raise ConfigError("quotas need a pool of its own: a master and its holders")
+        if quotas and disk_dir:  # each holder would offload into one folder
+            raise ConfigError("quotas and a disk do not go together yet: leave out one of them")
         shares = Shares.plan(segment_size, quotas) if quotas else None
         find_binary(MASTER_BINARY if master_address is None else HOLDER_BINARY)
         check_local_address(host)

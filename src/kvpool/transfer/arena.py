@@ -8,6 +8,7 @@
     free(offset)                     give a reservation back (any order; space is
                                      reused once every older reservation is free)
     used                             bytes reserved now
+    frees                            how many reservations were given back so far
 
 Sizes round up to ``align`` bytes, so every reservation starts aligned. Thread
 safe; a waiting ``alloc`` wakes on every ``free``. Knows nothing of what the
@@ -32,6 +33,7 @@ class StagingArena:
         self._live: deque[list[int]] = deque()  # [start, size, freed]
         self._by_start: dict[int, list[int]] = {}
         self._lock = threading.Condition()
+        self.frees = 0  # reservations given back: a change means space may be free
 
     def alloc(self, size: int, wait: bool = False, timeout: float | None = None) -> int | None:
         """Offset of ``size`` free bytes, or None. With ``wait``, block until they are
@@ -70,6 +72,7 @@ class StagingArena:
     def free(self, start: int) -> None:
         with self._lock:
             self._by_start.pop(start)[2] = 1
+            self.frees += 1
             while self._live and self._live[0][2]:
                 self._live.popleft()
             self._lock.notify_all()

@@ -241,8 +241,7 @@ class TransferEngine:
             finally:
                 for arena, start in held:
                     assert start is not None
-                    arena.free(start)
-                self._saves.stuck = False  # a save refused meanwhile: the next one waits
+                    arena.free(start)  # a save refused meanwhile: the next one waits
             took = time.monotonic() - t0
             level = logging.INFO if took > PREFAULT_WAIT_S else logging.DEBUG
             logger.log(level, "kvpool: staging prefaulted (%s) in %.0f ms", done, took * 1e3)

@@ -11,8 +11,9 @@
 Rules (the contract is ``kvpool.transfer.engine``'s): a staged save reads KV
 blocks only inside ``submit``; a wait for a piece's space that does not end
 within ``wait_s`` refuses the rest of the job ("staging_busy") and later saves
-refuse at once until a put frees space; zero-copy saves (no staging bounds
-them) refuse past ``ZERO_COPY_BACKLOG`` queued jobs ("queue_full"); NO_SPACE,
+refuse at once until staging is freed (by a put, or the end of a prefault);
+zero-copy saves (no staging bounds them) refuse past ``ZERO_COPY_BACKLOG`` queued
+jobs ("queue_full"); NO_SPACE,
 TRANSFER_FAILED or UNAVAILABLE on a put starts a growing back-off
 ("backpressure"). Refusals are counted per cause
 and logged at most once a minute per cause, saying what to change.
@@ -91,7 +92,7 @@ class Saves:
         self._pins_taken = True  # the store's batch_put takes pin_ms (until it says not)
         self.wait_s = wait_s
         self.zero_copy = zero_copy
-        self.stuck = False  # a wait saw no put free staging: refuse at once
+        self._stuck_at: int | None = None  # arena.frees when a wait for space ran out
         self._backoff = backoff_s
         self._backoff_next = backoff_s[0]
         self._pressure_until = 0.0
@@ -152,6 +153,12 @@ class Saves:
                 return False
         return True
 
+    @property
+    def stuck(self) -> bool:
+        """A wait for staging ran out and nothing was freed since (by a put, or by
+        whoever else held staging): a save now is refused at once."""
+        return self._stuck_at is not None and self._stuck_at == self.arena.frees
+
     def _stage(self, job: Job, lo: int, hi: int) -> Piece | str:
         """Reserve staging for ``job.chunks[lo:hi]`` and copy their blocks in; the
         reason when refused instead."""
@@ -163,7 +170,7 @@ class Saves:
             start = self.arena.alloc(extent, wait=True, timeout=self.wait_s)
             with self.core.counting():
                 self.core.stats.save_wait_s += time.monotonic() - t0
-            self.stuck = start is None
+            self._stuck_at = self.arena.frees if start is None else None
         if start is None:
             return "staging_busy"
         piece = Piece(job, lo, hi, last=False, staging=start)
@@ -225,7 +232,6 @@ class Saves:
             finally:
                 if piece.staging is not None:
                     self.arena.free(piece.staging)
-                    self.stuck = False
             statuses.update(zip(keys, got, strict=True))
             sizes = [sizes[i] for i in order]
             if got.count(ok) == len(got):

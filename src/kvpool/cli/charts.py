@@ -131,16 +131,13 @@ def line_chart(
         )
     for n, s in enumerate(series):
         colour = COLOURS[n % len(COLOURS)]
-        points = " ".join(
-            f"{place(x):.1f},{TOP + h - h * y / y_top:.1f}" for x, y in sorted(s.points)
-        )
+        marks = [(f"{place(x):.1f}", f"{TOP + h - h * y / y_top:.1f}") for x, y in sorted(s.points)]
+        points = " ".join(f"{px},{py}" for px, py in marks)
         out.append(
             f'<polyline fill="none" stroke="{colour}" stroke-width="2" points="{points}">'
             f"<title>{escape(s.name)}</title></polyline>"
         )
-        for pair in points.split():
-            px, py = pair.split(",")
-            out.append(f'<circle cx="{px}" cy="{py}" r="3" fill="{colour}"/>')
+        out += [f'<circle cx="{px}" cy="{py}" r="3" fill="{colour}"/>' for px, py in marks]
     out += _legend([s.name for s in series])
     return "\n".join([*out, "</svg>"]) + "\n"
 

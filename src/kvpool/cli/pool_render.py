@@ -22,7 +22,7 @@ from rich.console import Group
 from rich.table import Table
 
 from kvpool.pool import LocalPool, NamespaceSummary, PoolStatus
-from kvpool.pool.quotas import DEFAULT_TENANT, QUOTA_FILL
+from kvpool.pool.quotas import DEFAULT_TENANT, registered
 
 __all__ = [
     "format_age",
@@ -110,13 +110,13 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     t.add_row(
         "holder",
         f"{pool.holder_address}  ({_process_label(pool, 'holder')}, "
-        f"{format_bytes(pool.segment_size - sum(pool.quotas.values()))})",
+        f"{format_bytes(pool.shared_segment)})",
     )
     for tenant, address in pool.tenant_holders.items():
         t.add_row(
             f"tenant {tenant}",
             f"{address}  (holder of its share, {format_bytes(pool.quotas.get(tenant))}; "
-            f"quota {format_bytes(int(pool.quotas.get(tenant, 0) * QUOTA_FILL))})",
+            f"quota {format_bytes(registered(pool.quotas.get(tenant, 0)))})",
         )
     t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
     t.add_row("pool file", str(pool_file))

@@ -330,7 +330,7 @@ class LocalPool(PoolFaults):
         before = set(self._segments())
         address = self.tenant_holders.get(tenant, "") if tenant else self.holder_address
         port = _split_address(address)[1] if address else 0
-        segment = self.quotas[tenant] if tenant else self.segment_size - sum(self.quotas.values())
+        segment = self.quotas[tenant] if tenant else self.shared_segment
         role = f"holder-{tenant}" if tenant else "holder"
         for attempt in range(1, _START_ATTEMPTS + 1):
             if not port or not _port_free(port, self.host):
@@ -439,8 +439,13 @@ class LocalPool(PoolFaults):
         return bool(procs) and all(p.running() for p in procs)
 
     def _procs(self) -> list[_Process | None]:
-        """Every process of this handle: the holders first, the master last."""
-        return [*self._tenant_procs.values(), self._holder, self._master]
+        """Every process of this handle: the master, its holder, the tenants' holders."""
+        return [self._master, self._holder, *self._tenant_procs.values()]
+
+    @property
+    def shared_segment(self) -> int:
+        """Bytes the holder of no tenant gives: what the quotas leave of ``segment_size``."""
+        return self.segment_size - sum(self.quotas.values())
 
     def stop(self, timeout_s: float = 5.0, *, kill: bool = False) -> None:
         """Stop the holders, then the master: SIGTERM, wait, SIGKILL. Idempotent.
@@ -450,7 +455,7 @@ class LocalPool(PoolFaults):
         Children are reaped; PIDs from a pool file are signalled only while verified.
         """
         sig = signal.SIGKILL if kill else signal.SIGTERM
-        for proc in self._procs():
+        for proc in reversed(self._procs()):  # the holders first, the master last
             if proc is not None:
                 proc.stop(timeout_s, sig)
                 log.info("stopped %s (pid %d)", proc.role, proc.pid)
@@ -550,7 +555,7 @@ class LocalPool(PoolFaults):
 
     def processes(self) -> Iterator[tuple[str, int, bool]]:
         """(role, pid, running) for each process this handle names."""
-        for proc in (self._master, self._holder, *self._tenant_procs.values()):
+        for proc in self._procs():
             if proc is not None:
                 yield proc.role, proc.pid, proc.running()
 

@@ -5,6 +5,7 @@
                                    and what is left for engines of no tenant (or of a
                                    tenant without a quota); ``ConfigError`` saying what
                                    to change when the quotas do not fit
+    registered(share)              the quota a share is registered with (``QUOTA_FILL``)
     shares.policy_yaml()           the master's tenant policy file (``--enable_multi_tenants
                                    --tenant_quota_connector_uri``)
     tenant_usage(metrics)          {Mooncake tenant: (bytes charged, quota)} from the
@@ -37,6 +38,7 @@ __all__ = [
     "QUOTA_FILL",
     "Shares",
     "parse_quota",
+    "registered",
     "tenant_usage",
 ]
 
@@ -44,6 +46,11 @@ DEFAULT_TENANT = "default"  # Mooncake's tenant of a client that names none
 EVICTION_HIGH = 0.9  # mooncake_master's --eviction_high_watermark_ratio default
 QUOTA_FILL = 0.85  # of a share, a tenant's registered quota: below EVICTION_HIGH
 MIN_SHARE = 16 << 20  # a share is one holder's segment: Mooncake's minimum
+
+
+def registered(share: int) -> int:
+    """The quota Mooncake enforces for a share of ``share`` bytes."""
+    return int(share * QUOTA_FILL)
 
 
 def parse_quota(text: str) -> tuple[str, int]:
@@ -92,7 +99,7 @@ class Shares:
         ``QUOTA_FILL`` of its share, ``default`` with that of the rest."""
         lines = ["version: 1", "tenants:"]
         for tenant, share in ((DEFAULT_TENANT, self.rest), *self.tenants):
-            lines += [f"  - name: {tenant}", f"    quota: {int(share * QUOTA_FILL)}"]
+            lines += [f"  - name: {tenant}", f"    quota: {registered(share)}"]
         return "\n".join(lines) + "\n"
 
 

@@ -127,7 +127,7 @@ class MooncakeStore(KVStore):
         )
 
     def _setup_tcp(self, config: PoolConfig, master: str) -> None:
-        args = [
+        rc = self._store.setup(
             config.local_hostname,
             config.metadata_server,
             config.global_segment_size,
@@ -135,10 +135,8 @@ class MooncakeStore(KVStore):
             config.protocol,
             config.device_name,
             master,
-        ]
-        if config.mooncake_tenant:  # engine, SSD offload, its path, then the tenant
-            args += [None, False, "", config.mooncake_tenant]
-        rc = self._store.setup(*args)
+            tenant_id=config.mooncake_tenant or "default",  # Mooncake's own default
+        )
         if rc != 0:
             raise StoreUnavailable(
                 f"Mooncake client setup against mooncake_master at {master} failed "

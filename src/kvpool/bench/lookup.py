@@ -10,7 +10,11 @@ process (as the connector does) on a temporary IPC endpoint, and times
 ``LookupClient.lookup`` calls with ``time.perf_counter``, in turn: a full hit
 (every chunk present), a partial hit (the first 5/8 of the chunks present,
 then chunks never written) and a miss (no chunk written). Every answer is
-checked. One untimed warm-up round first. ``keys`` is what probing every key
+checked. One untimed warm-up round first. Then the same lookups are answered
+again in this thread without the socket (``LookupAnswers.answer`` on an encoded
+request, ``direct_p50_ms``): the socket's share is the difference. The
+connector keeps the socket even inside one process, for its deadline
+(``kvpool.vllm.connector``). ``keys`` is what probing every key
 would cost (``(prompt - 1) // chunk_size`` chunks times the layout's
 namespaces); the server's search (``lookup.search``) probes fewer.
 
@@ -47,6 +51,7 @@ from kvpool.store.mooncake import MooncakeStore
 from kvpool.store.scatter import Segments
 
 if TYPE_CHECKING:
+    from kvpool.lookup.answers import LookupAnswers
     from kvpool.lookup.client import LookupClient
     from kvpool.lookup.server import LookupServer
 
@@ -92,6 +97,7 @@ class LookupCase:
     miss_p50_ms: float
     p99_ms: float  # over every kind
     store_p50_ms: float  # median duration of one batch_exists call of the server
+    direct_p50_ms: float  # every kind, answered in this thread without the socket
     exists_calls_max: int  # the most batch_exists calls (search rounds) of one lookup
     round_trips_per_lookup: float | None  # master's batch-exist RPCs; None without metrics
     failures: int  # lookups whose answer was not the expected one
@@ -208,6 +214,29 @@ def _service(
             server.close()
 
 
+@dataclass(slots=True)
+class _Direct:
+    seconds: list[float]
+    answers: list[tuple[str, int]]  # (kind, hit tokens)
+
+
+def _direct(
+    answers: LookupAnswers, prompts: dict[str, tuple[list[bytes], int]], prompt: int, lookups: int
+) -> _Direct:
+    """The same lookups answered in this thread, no socket: encode, answer, read."""
+    from kvpool.lookup import wire
+
+    out = _Direct([], [])
+    for i in range(lookups):
+        kind = _KINDS[i % len(_KINDS)]
+        start = time.perf_counter()
+        frame = wire.encode_request(wire.PackedLookup.pack(i, f"d{i}", prompts[kind][0], prompt))
+        reply = answers.answer(frame)
+        out.seconds.append(time.perf_counter() - start)
+        out.answers.append((kind, reply.hit_tokens if isinstance(reply, wire.LookupReply) else -1))
+    return out
+
+
 def _case(
     store: MooncakeStore,
     config: PoolConfig,
@@ -262,6 +291,8 @@ def _case(
                 failures += answer != expected
             after = _exists_rpcs(config)
             probed = (server.stats.keys_probed - probed_before) / lookups
+            direct = _direct(server, prompts, prompt, lookups)
+            failures += sum(hit != prompts[kind][1] for kind, hit in direct.answers)
     finally:
         store.batch_remove(written, force=True)
     round_trips = (after - before) / lookups if before is not None and after is not None else None
@@ -276,6 +307,7 @@ def _case(
         miss_p50_ms=_ms(times["miss"], 0.5),
         p99_ms=_ms(every, 0.99),
         store_p50_ms=1000 * statistics.median(timed.seconds) if timed.seconds else 0.0,
+        direct_p50_ms=_ms(direct.seconds, 0.5),
         exists_calls_max=calls_max,
         round_trips_per_lookup=round_trips,
         failures=failures,

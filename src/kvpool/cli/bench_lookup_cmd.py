@@ -6,6 +6,7 @@
                                   a lookup answered wrong or made more than
                                   ``MAX_ROUNDS`` store calls
     lookup_bench_table(result)    the table (prints nothing)
+    lookup_summary_table(result)  the README report's table (``--table``)
 
 The pool is ``--master`` or a pool file (``bench_cmd.pool_options``); without
 one (or with ``--temp-pool``), a temporary local pool.
@@ -21,10 +22,11 @@ from rich.table import Table
 
 from kvpool.bench.lookup import DEFAULT_PROMPTS, LAYOUTS, LookupBench, run_lookup_bench
 from kvpool.cli.bench_cmd import _given_config, _pool_or_temporary, bench, pool_options
+from kvpool.cli.console import TABLE_HELP, bench_table, table_rows
 from kvpool.errors import KVPoolError
 from kvpool.lookup.search import MAX_ROUNDS
 
-__all__ = ["lookup_bench_table"]
+__all__ = ["lookup_bench_table", "lookup_summary_table"]
 
 
 def _tokens(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -65,12 +67,22 @@ def lookup_bench_table(bench: LookupBench) -> Table:
         ),
         caption=(
             "ms, client side over IPC; keys: a probe of every key, probed: what the search "
-            "asked per lookup; target: every p50 within the row's target (fixed in "
+            "asked per lookup; direct: the same lookups answered in-process without the "
+            "socket; target: every p50 within the row's target (fixed in "
             "kvpool.bench.lookup.TARGETS_MS; vLLM's in-tree connector is not measured here)"
         ),
     )
     columns = ("layout", "prompt", "keys", "probed", "hit p50", "partial p50", "miss p50")
-    for name in (*columns, "p99", "target", "store p50", "rounds", "round trips", "failures"):
+    for name in (
+        *columns,
+        "p99",
+        "target",
+        "direct p50",
+        "store p50",
+        "rounds",
+        "round trips",
+        "failures",
+    ):
         t.add_column(name, justify="left" if name == "layout" else "right")
     for c in bench.cases:
         trips = c.round_trips_per_lookup
@@ -85,10 +97,38 @@ def lookup_bench_table(bench: LookupBench) -> Table:
             _p50(c.miss_p50_ms, target),
             f"{c.p99_ms:.2f}",
             "" if target is None else f"{target:g}",
+            f"{c.direct_p50_ms:.2f}",
             f"{c.store_p50_ms:.2f}",
             f"{c.exists_calls_max}",
             "n/a" if trips is None else f"{trips:.2g}",
             str(c.failures) if not c.failures else f"[red]{c.failures}[/red]",
+        )
+    return t
+
+
+def lookup_summary_table(bench: LookupBench) -> Table:
+    """The report's table (``--table``), ms: p50 of hits, partial hits (part) and
+    misses over the socket; of the same lookups answered in-process (direct); of
+    one store call (store); keys a search asked (asked), and its most store
+    calls (calls) per lookup."""
+    t = bench_table(
+        "kvpool bench lookup, p50 ms",
+        ("layout", "prompt", "keys", "asked", "hit", "part", "miss", "direct", "store",
+         "calls", "fail"),
+    )  # fmt: skip
+    t.columns[0].no_wrap = True  # a layout's name whole; the numbers' columns give way
+    t.columns[0].min_width = max((len(c.layout) for c in bench.cases), default=6)
+    for c in bench.cases:
+        t.add_row(
+            c.layout,
+            f"{c.prompt_tokens // 1024}k" if c.prompt_tokens % 1024 == 0 else str(c.prompt_tokens),
+            str(c.keys),
+            f"{c.keys_probed:.0f}",
+            *(f"{ms:.2f}" for ms in (c.hit_p50_ms, c.partial_p50_ms, c.miss_p50_ms)),
+            f"{c.direct_p50_ms:.2f}",
+            f"{c.store_p50_ms:.2f}",
+            str(c.exists_calls_max),
+            str(c.failures),
         )
     return t
 
@@ -120,6 +160,7 @@ def lookup_bench_table(bench: LookupBench) -> Table:
     help="Timed lookups per row (hits, partial hits and misses in turn).",
 )  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option("--table", "table_only", is_flag=True, hidden=True, help=TABLE_HELP)
 def lookup_cmd(
     master: str | None,
     pool_file: str | None,
@@ -129,6 +170,7 @@ def lookup_cmd(
     chunk_size: int,
     lookups: int,
     as_json: bool,
+    table_only: bool,
 ) -> None:
     """Scheduler-side lookup latency and store round trips per lookup."""
     from kvpool.cli.console import console
@@ -141,6 +183,8 @@ def lookup_cmd(
         result = run_lookup_bench(config, prompts, layouts, chunk_size, lookups)
     if as_json:
         click.echo(json.dumps(asdict(result)))
+    elif table_only:
+        click.echo(table_rows(lookup_summary_table(result)))
     else:
         console.print(lookup_bench_table(result))
     failed = sum(c.failures for c in result.cases)

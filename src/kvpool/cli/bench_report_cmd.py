@@ -89,6 +89,13 @@ def _transfer_table() -> Any:
     return transfer_summary_table(TransferBench((), "", 0, 0, 0))
 
 
+def _lookup_table() -> Any:
+    from kvpool.bench.lookup import LookupBench
+    from kvpool.cli.bench_lookup_cmd import lookup_summary_table
+
+    return lookup_summary_table(LookupBench((), "", 0, 0))
+
+
 def _demo_table() -> Any:
     from kvpool.cli.demo_cmd import demo_request_table
     from kvpool.demo.run import DemoReport
@@ -104,6 +111,10 @@ REPORTS: dict[str, Report] = {
     "serve": Report(("bench", "serve", "--shape", "llama3-8b"), _serve_table),
     "capacity": Report(("bench", "capacity", "--repeats", "3"), _capacity_table),
     "transfer": Report(("bench", "transfer"), _transfer_table),
+    "lookup": Report(
+        ("bench", "lookup", "--prompts", "3k,32k,128k", "--layouts", "tp1,tp8-gqa8"),
+        _lookup_table,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.factories import base_and_two, same_outputs
 
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -43,12 +44,6 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [shared + [rng.randrange(10, 1000) for _ in range(40 + 7 * i)] for i in range(3)]
 
 
-def assert_same_outputs(run: dict[str, Any], base: dict[str, Any]) -> None:
-    """Exactly the same greedy tokens and logprobs, prompt by prompt."""
-    assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in base["results"]]
-    assert [r["logprobs"] for r in run["results"]] == [r["logprobs"] for r in base["results"]]
-
-
 def spec(model: Path, connector: str, pool_file: str = "", **kw: Any) -> dict[str, Any]:
     s: dict[str, Any] = {
         "model": str(model),
@@ -67,9 +62,7 @@ def test_fresh_engine_loads_shared_prefix_with_identical_outputs(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-    base = run_engine(spec(tiny_model, "none"))
-    a = run_engine(spec(tiny_model, "kvpool", pool_file))
-    b = run_engine(spec(tiny_model, "kvpool", pool_file))
+    base, a, b = base_and_two(run_engine, lambda c: spec(tiny_model, c, pool_file))
     for r0, ra, rb in zip(base["results"], a["results"], b["results"], strict=True):
         assert ra["tokens"] == r0["tokens"] and rb["tokens"] == r0["tokens"]
         assert rb["logprobs"] == r0["logprobs"]
@@ -86,7 +79,7 @@ def test_pool_stopped_between_engines_is_a_miss_not_a_failure(
     run_engine(spec(tiny_model, "kvpool", pool_file))
     local_pool.stop()
     b = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert_same_outputs(b, base)
+    same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] == 0
     assert "cannot reach mooncake_master" in b["log"] and "stays idle" in b["log"]
 
@@ -156,7 +149,7 @@ def test_chunks_of_two_blocks_round_trip_with_identical_outputs(
     assert len({k.chunk_hash for k in keys}) == chunks == 4
     assert len(keys) == TINY_KV_HEADS * chunks  # one object per KV head
     b = run_engine(spec(tiny_model, "kvpool", extra=two))
-    assert_same_outputs(b, base)
+    same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256
 
 
@@ -280,8 +273,8 @@ def test_heads_per_object_stores_fewer_larger_objects_and_engines_share_them(
     assert sorted({k.content.head for k in keys}) == [0, 1]
     assert len(keys) == 2 * chunks
     b = run_engine(spec(model, "kvpool", extra=extra))
-    assert_same_outputs(a, base)
-    assert_same_outputs(b, base)
+    same_outputs(a, base)
+    same_outputs(b, base)
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
 
 
@@ -304,8 +297,8 @@ def test_token_classes_cut_each_block_into_strided_objects_that_load_back_exactl
     }
     assert len(keys) == 2 * 2 * chunks
     b = run_engine(spec(tiny_model, "kvpool", extra=extra))
-    assert_same_outputs(a, base)
-    assert_same_outputs(b, base)
+    same_outputs(a, base)
+    same_outputs(b, base)
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
 
 
@@ -334,10 +327,10 @@ def test_engines_with_other_hash_settings_share_and_other_block_sizes_never_alia
     assert len(keys) == TINY_KV_HEADS * chunks and chunks == 4
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash: random per process
     fast = run_engine(spec(tiny_model, "kvpool", extra=extra, hash_algo="xxhash"))
-    assert_same_outputs(fast, base)
+    same_outputs(fast, base)
     assert [r["cached_tokens"] for r in fast["results"]] == [256, 256, 256]
     uncached = run_engine(spec(tiny_model, "kvpool", extra=extra, prefix_caching=False))
-    assert_same_outputs(uncached, base)
+    same_outputs(uncached, base)
     assert [r["cached_tokens"] for r in uncached["results"]] == [256, 256, 256]
     wide = run_engine(spec(tiny_model, "kvpool", extra=extra, block_size=2 * BLOCK))
     assert wide["results"][0]["cached_tokens"] == 0
@@ -354,10 +347,10 @@ def test_zero_copy_engines_share_prefixes_with_identical_outputs(
     base = run_engine(spec(tiny_model, "none"))
     zero = {"pool_file": pool_file, "zero_copy": True}
     a = run_engine(spec(tiny_model, "kvpool", extra=zero, log_level="INFO"))
-    assert_same_outputs(a, base)
+    same_outputs(a, base)
     assert "KV cache placed in pool memory" in a["log"]
     b = run_engine(spec(tiny_model, "kvpool", extra=zero, log_level="INFO"))
-    assert_same_outputs(b, base)
+    same_outputs(b, base)
     assert b["results"][0]["cached_tokens"] >= 256
 
 
@@ -478,10 +471,8 @@ def test_a_pool_secret_signs_objects_and_forged_ones_are_refused(
     signed = LocalPool.attach(local_pool.write_pool_file(tmp_path / "pool.json"))
     signed.secret = secret
     pool_file = str(signed.write_pool_file(tmp_path / "signed.json"))
-    base = run_engine(spec(tiny_model, "none"))
-    a = run_engine(spec(tiny_model, "kvpool", pool_file))
-    b = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert_same_outputs(b, base)
+    base, a, b = base_and_two(run_engine, lambda c: spec(tiny_model, c, pool_file))
+    same_outputs(b, base)
     assert a["results"][0]["cached_tokens"] == 0
     assert b["results"][0]["cached_tokens"] >= 256
     assert not b["connector"]["failures"]
@@ -507,7 +498,7 @@ def test_a_pool_secret_signs_objects_and_forged_ones_are_refused(
         raw.close()
 
     c = run_engine(spec(tiny_model, "kvpool", pool_file))
-    assert_same_outputs(c, base)  # nothing forged reached its KV cache
+    same_outputs(c, base)  # nothing forged reached its KV cache
     assert c["results"][0]["cached_tokens"] == 0
     assert c["connector"]["failures"].get("forged", 0) >= 1
     assert set(c["connector"]["failures"]) == {"forged"}
@@ -529,7 +520,7 @@ def test_a_producer_fills_the_pool_and_a_consumer_only_reads_it(
     consumer = run_engine(
         spec(tiny_model, "kvpool", pool_file, kv_role="kv_consumer", prompts=[*prompts(), *fresh])
     )
-    assert_same_outputs({"results": consumer["results"][:3]}, base)
+    same_outputs({"results": consumer["results"][:3]}, base)
     assert consumer["results"][0]["cached_tokens"] >= 256  # from the pool
     stats = consumer["connector"]
     assert stats["chunks_saved"] == 0 and stats["bytes_saved"] == 0
@@ -555,9 +546,9 @@ def test_engines_of_two_tenants_never_read_each_others_objects(
     assert len(keys) == chunks * TINY_KV_HEADS and {k.tenant for k in keys} == {"team-a"}
     b = run_engine(of("team-b"))
     assert b["connector"]["hit_tokens"] == 0  # not one token of team-a's
-    assert_same_outputs(b, base)
+    same_outputs(b, base)
     keys = pool_objects(local_pool, prompts())[0]
     assert Counter(k.tenant for k in keys) == {"team-a": len(keys) // 2, "team-b": len(keys) // 2}
     a = run_engine(of("team-a"))
     assert a["results"][0]["cached_tokens"] >= 256  # from team-a's objects
-    assert_same_outputs(a, base)
+    same_outputs(a, base)

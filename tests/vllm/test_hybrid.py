@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.factories import base_and_two, same_outputs
 
 RunEngine = Callable[[dict[str, Any]], dict[str, Any]]
 WINDOW = 64
@@ -38,11 +39,6 @@ def assert_pooled(run: dict[str, Any]) -> None:
     assert "stays idle" not in run["log"]
 
 
-def assert_same_outputs(run: dict[str, Any], base: dict[str, Any]) -> None:
-    assert [r["tokens"] for r in run["results"]] == [r["tokens"] for r in base["results"]]
-    assert [r["logprobs"] for r in run["results"]] == [r["logprobs"] for r in base["results"]]
-
-
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpool.demo.tiny_model import build_tiny_gemma3
@@ -54,13 +50,11 @@ def test_a_sliding_window_model_shares_prefixes_with_the_hybrid_manager_on(
     tiny_gemma3: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
 ) -> None:
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-    base = run_engine(spec(tiny_gemma3, "none"))
-    a = run_engine(spec(tiny_gemma3, "kvpool", pool_file))
-    b = run_engine(spec(tiny_gemma3, "kvpool", pool_file))
+    base, a, b = base_and_two(run_engine, lambda c: spec(tiny_gemma3, c, pool_file))
     for run in (a, b):
         assert_pooled(run)
-    assert_same_outputs(a, base)
-    assert_same_outputs(b, base)
+    same_outputs(a, base)
+    same_outputs(b, base)
     # B's local cache was empty: the 256-token shared prefix came from the pool.
     assert a["results"][0]["cached_tokens"] == 0
     assert b["results"][0]["cached_tokens"] >= 256
@@ -97,12 +91,10 @@ def test_a_mamba_hybrid_loads_attention_and_the_state_at_the_hit_from_the_pool(
     prefix: it loads the attention chunks and only the state after them, and
     answers exactly as an engine without kvpool."""
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
-    base = run_engine(mamba_spec(tiny_granite, "none"))
-    a = run_engine(mamba_spec(tiny_granite, "kvpool", pool_file))
-    b = run_engine(mamba_spec(tiny_granite, "kvpool", pool_file))
+    base, a, b = base_and_two(run_engine, lambda c: mamba_spec(tiny_granite, c, pool_file))
     for run in (a, b):
         assert_pooled(run)
-        assert_same_outputs(run, base)
+        same_outputs(run, base)
     assert [r["cached_tokens"] for r in a["results"]] == [0, 256, 256]  # its own cache
     assert [r["cached_tokens"] for r in b["results"]] == [256, 256, 256]  # the pool, then local
     # 4 chunks of 64 tokens of attention, an object per KV head; of each Mamba
@@ -133,7 +125,7 @@ def test_at_tp2_each_rank_pools_its_own_slice_of_the_mamba_state(
     assert len(keys) == 4 * KV_HEADS + MAMBA_LAYERS * 2
     b = run_engine(dict(mamba_spec(tiny_granite, "kvpool", pool_file), **tp2))
     assert [r["cached_tokens"] for r in b["results"]] == [256, 256, 256]
-    assert_same_outputs(b, a)
+    same_outputs(b, a)
 
 
 def test_a_mamba_hybrid_without_prefix_caching_serves_with_the_connector_idle(
@@ -148,7 +140,7 @@ def test_a_mamba_hybrid_without_prefix_caching_serves_with_the_connector_idle(
     assert "Turning off hybrid kv cache manager" not in a["log"]
     assert "pooled only with vLLM's prefix caching on" in a["log"]
     assert "stays idle" in a["log"]
-    assert_same_outputs(a, base)
+    same_outputs(a, base)
     assert not a["connector"].get("bytes_saved")  # nothing saved (no counters at all)
 
 
@@ -182,8 +174,8 @@ def test_mamba_states_at_granite_4_h_tiny_size_round_trip_exactly(
     base, a, b = run("none"), run("kvpool"), run("kvpool")
     assert [r["cached_tokens"] for r in base["results"]] == [0, 832]  # vLLM's own block
     assert [r["cached_tokens"] for r in b["results"]] == [832, 832]  # the pool, then local
-    assert_same_outputs(a, base)
-    assert_same_outputs(b, base)
+    same_outputs(a, base)
+    same_outputs(b, base)
     stats = b["connector"]
     assert stats["chunks_loaded"] == 4 + MAMBA_LAYERS and not stats["failures"]
     assert stats["bytes_loaded"] > MAMBA_LAYERS * 48 * 64 * 128 * 2  # the ssm states alone

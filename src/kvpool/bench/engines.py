@@ -13,7 +13,9 @@ a fresh process (empty local cache, as after a restart or on another replica)
 runs the same prompts. Every engine first runs one unrelated prompt shorter than
 a block, so no measured request pays the process's first-request costs (vLLM
 compiles its logprobs kernel on the first request that asks for logprobs: 2-4 s
-here) and no pool ever sees the warm-up.
+here) and no pool ever sees the warm-up. Every engine reserves the same cores
+for vLLM's other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``, as ``bench serve``):
+without it the baseline ran another OpenMP thread count than the connectors.
 
 Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
 TTFT over the prefill's, the load rate (kvpool's own load time per request;
@@ -326,7 +328,10 @@ def run_engine_bench(
         "warmup": True,
         "warmup_tokens": WARMUP_TOKENS,
         "progress": True,
-        "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib)},
+        # Every engine reserves the same cores (vLLM reserves one more per worker when
+        # a KV connector is configured): one OpenMP thread count for all, so the
+        # baseline's local hit and the connectors' warm requests compute alike.
+        "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
     }
     twice = [p for p in ids for _ in range(2)]
     baseline = run_engine(

@@ -108,6 +108,9 @@ REPORTS: dict[str, Report] = {
     "vllm": Report(
         ("bench", "vllm", "--shape", "llama3-8b", "--lengths", "1000,4000"), _vllm_table
     ),
+    "vllm-small": Report(
+        ("bench", "vllm", "--shape", "small", "--lengths", "2000,3000"), _vllm_table
+    ),
     "serve": Report(("bench", "serve", "--shape", "llama3-8b"), _serve_table),
     "capacity": Report(("bench", "capacity", "--repeats", "3"), _capacity_table),
     "transfer": Report(("bench", "transfer"), _transfer_table),

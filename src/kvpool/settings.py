@@ -70,6 +70,13 @@ class ConnectorSettings:
     lookup_async: bool = documented(
         False, "Answer vLLM 'ask again later' instead of waiting for the lookup."
     )
+    load_by_layer: bool = documented(
+        False,
+        "Load a hit in the step that computes the rest of the prompt, each layer band "
+        "waited for at its first layer (vLLM's wait_for_layer_load): the load overlaps "
+        "the forward; set layer_bands for more than one band. Staged loads of models "
+        "with one KV group; others load asynchronously.",
+    )
     save_decode: bool = documented(False, "Also save chunks completed during decode.")
     tenant: str = documented(
         "",
@@ -141,7 +148,7 @@ def parse_extra(
     for name, v in extra.items():
         if name not in _CONNECTOR:
             continue
-        if name in ("lookup_async", "save_decode", "zero_copy"):
+        if name in ("lookup_async", "save_decode", "zero_copy", "load_by_layer"):
             values[name] = parse_bool(v, f"kv_connector_extra_config.{name}")
         elif name == "heads_per_object":
             values[name] = int(

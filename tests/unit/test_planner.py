@@ -534,3 +534,48 @@ def test_extra_keys_name_chunks_with_their_tokens_and_bad_ones_stop_pooling() ->
     s.after_alloc(bad, 0)
     manager.tables["c"] = (list(range(4)),)
     assert s.build_meta(step([("c", 0)], {"c": 4 * B})).saves == []
+
+
+def test_load_by_layer_loads_in_the_computing_step_and_saves_the_rest_after() -> None:
+    """vLLM's sync load: the hit is not asynchronous, the plan marks it by layer, the
+    request is not waited for as a load in flight, and the prompt's new chunks are
+    saved from the next step on (never in the step that loads)."""
+    s, _, manager = side(hit=4 * B, load_by_layer=True)
+    assert s.by_layer
+    req = FakeRequest.make("r", 6 * B + 5)
+    assert s.matched_tokens(req, 0) == (4 * B, False)
+    s.after_alloc(req, 4 * B)
+    manager.tables["r"] = (list(range(7)),)
+    meta = s.build_meta(step([("r", 4 * B)], {"r": 2 * B + 5}))
+    (load,) = meta.loads
+    assert load.by_layer and [c.chunk for c in load.chunks] == [0, 1, 2, 3]
+    assert meta.saves == []
+    assert "r" not in s._loading  # never reported finished: nothing to wait for
+    out = step([], {"r": 1})
+    out.scheduled_cached_reqs = SimpleNamespace(req_ids=["r"], num_computed_tokens=[6 * B + 5])
+    (save,) = s.build_meta(out).saves
+    assert [c.chunk for c in save.chunks] == [0, 1, 2, 3, 4, 5]  # workers skip the loaded
+
+
+@pytest.mark.parametrize(
+    "settings, groups",
+    [
+        ({"zero_copy": True}, ["gqa:2"]),
+        ({"load_mode": "direct"}, ["gqa:2"]),
+        ({}, ["gqa:2", "gqa:2:w64"]),
+    ],
+)
+def test_load_by_layer_stays_asynchronous_where_it_cannot_be_done_safely(
+    settings: dict[str, Any], groups: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A direct load cannot be given up at a deadline, and vLLM maps a sync load's
+    failed blocks to requests only with one KV group: loads stay asynchronous, said."""
+    s = Planner(
+        grouped(groups),
+        ConnectorSettings(load_by_layer=True, **settings),
+        FakeLookup(4 * B),
+        FakeManager(),
+    )
+    assert not s.by_layer
+    assert "loads stay asynchronous" in caplog.text
+    assert s.matched_tokens(FakeRequest.make("r", 6 * B), 0) == (4 * B, True)

@@ -457,16 +457,18 @@ def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_re
     tp1.close()
 
 
-def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_alone() -> None:
-    """Two layers in bands 0 and 1, two token classes: one object per band and
-    class of each chunk, each that band's layer and every other token; a fresh
-    worker loads them back into other blocks byte for byte."""
-    store = MemoryStore(capacity=1 << 30)
+def banded_workers(
+    store: KVStore, token_classes: int = 1
+) -> tuple[list[str], dict[str, torch.Tensor], Worker, dict[str, torch.Tensor], Worker]:
+    """A saver and a fresh loader of a 2-layer model in two layer bands (one object
+    per band, token class and chunk) over ``store``: (layer names, saver's KV,
+    saver, loader's KV (zeros), loader)."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     kv_config = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=names)])
-    layout = Layout.create(groups=["gqa:1"], layers=2, layer_bands=[0, 1], token_classes=2)
-    space = key_space(layout, chunk_size=B)  # fmt: skip
-    ident = EngineIdentity(layout, space, B, B, 0)
+    layout = Layout.create(
+        groups=["gqa:1"], layers=2, layer_bands=[0, 1], token_classes=token_classes
+    )
+    ident = EngineIdentity(layout, key_space(layout, chunk_size=B), B, B, 0)
 
     def worker(caches: dict[str, torch.Tensor]) -> Worker:
         w = Worker(ident, 0, ConnectorSettings(), PoolConfig(), kv_config, lambda _: store)
@@ -475,13 +477,20 @@ def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_al
         return w
 
     saved = {n: t for n, t in zip(names, kv_caches().values(), strict=True)}
-    w = worker(saved)
+    fresh = {n: torch.zeros_like(t) for n in names for t in [saved[n]]}
+    return names, saved, worker(saved), fresh, worker(fresh)
+
+
+def test_a_rank_holding_two_bands_and_two_token_classes_writes_and_reads_each_alone() -> None:
+    """Two layers in bands 0 and 1, two token classes: one object per band and
+    class of each chunk, each that band's layer and every other token; a fresh
+    worker loads them back into other blocks byte for byte."""
+    store = MemoryStore(capacity=1 << 30)
+    names, saved, w, fresh, r = banded_workers(store, token_classes=2)
     w.start_saves(StepPlan(saves=[ops("s", [3])]))
     assert w.engine is not None
-    assert all(r.ok for r in w.engine.wait(w._book.jobs, timeout=10))
+    assert all(x.ok for x in w.engine.wait(w._book.jobs, timeout=10))
     assert len(store._objects) == 2 * 2  # bands x token classes
-    fresh = {n: torch.zeros_like(t) for n, t in saved.items()}
-    r = worker(fresh)
     r.start_loads(StepPlan(loads=[ops("l", [9])]))
     assert finished_within(r, "l") == (True, False)
     for n in names:
@@ -597,3 +606,79 @@ def test_chunks_the_lookup_found_missing_are_put_again_though_put_before() -> No
     save(fresh_from=1)  # the lookup found chunks 1 and 2 missing
     assert len(store._objects) == 2
     worker.close()
+
+
+def by_layer(req: str, blocks: list[int]) -> RequestOps:
+    o = ops(req, blocks)
+    return RequestOps(o.req_id, o.chunks, by_layer=True)
+
+
+def test_a_load_by_layer_is_in_each_band_before_its_layer_and_never_reported_finished() -> None:
+    """vLLM's sync load: one job per layer band, first band first; waiting for
+    layer 0 leaves band 1 to come; after layer 1 both bands' bytes are in place;
+    ``finished`` never names the request (vLLM expects no finished load)."""
+    store = MemoryStore(capacity=1 << 30)
+    names, saved, saver, fresh, loader = banded_workers(store)
+    saver.start_saves(StepPlan(saves=[ops("s", [3, 4])]))
+    assert saver.engine is not None
+    assert all(r.ok for r in saver.engine.wait(saver._book.jobs, timeout=10))
+    loader.start_loads(StepPlan(loads=[by_layer("l", [9, 10])]))
+    assert sorted(loader._band_jobs) == [0, 1]
+    loader.wait_layer(names[0])
+    assert list(loader._band_jobs) == [1]  # band 1 not waited for yet
+    assert torch.equal(fresh[names[0]][9], saved[names[0]][3])
+    loader.wait_layer(names[1])
+    assert not loader._band_jobs and not loader._layered
+    for n in names:
+        assert torch.equal(fresh[n][9], saved[n][3]) and torch.equal(fresh[n][10], saved[n][4])
+    assert loader.finished() == (set(), set())
+    assert loader.load_errors() == set()
+    stats = loader.stats()
+    assert stats is not None and stats.chunks_loaded == 4  # 2 chunks x 2 bands
+    saver.close()
+    loader.close()
+
+
+def test_a_failed_load_by_layer_reports_its_blocks_for_recompute_not_a_finished_load() -> None:
+    """Band 1's object of chunk 1 is gone: the blocks of chunk 1 go to
+    ``load_errors`` (vLLM recomputes them and drops that step's output for the
+    request), its hash to the lookups' suppression, and ``finished`` never names
+    the request; band 0 and chunk 0 of band 1 landed."""
+    store = MemoryStore(capacity=1 << 30)
+    names, saved, saver, fresh, loader = banded_workers(store)
+    saver.start_saves(StepPlan(saves=[ops("s", [3, 4])]))
+    assert saver.engine is not None
+    assert all(r.ok for r in saver.engine.wait(saver._book.jobs, timeout=10))
+    band1 = next(c for c, _ in loader._shards[0] if c.band == 1)
+    gone = loader.identity.space.key(band1, bytes([2]) * 8)
+    assert store.batch_remove([gone], force=True)[0].ok
+    loader.start_loads(StepPlan(loads=[by_layer("l", [9, 10])]))
+    for n in names:
+        loader.wait_layer(n)
+    assert loader.load_errors() == {10}
+    assert torch.equal(fresh[names[0]][10], saved[names[0]][4])  # band 0 landed
+    assert torch.equal(fresh[names[1]][9], saved[names[1]][3])
+    assert not torch.equal(fresh[names[1]][10], saved[names[1]][4])
+    assert loader.finished() == (set(), set())
+    report = loader.worker_meta()
+    assert report is not None and bytes([2]) * 8 in report.failed_hashes
+    saver.close()
+    loader.close()
+
+
+def test_loads_by_layer_not_waited_for_by_the_forward_end_before_saves_and_finished() -> None:
+    """A band whose first layer the forward never announced is waited for by
+    ``start_saves`` (and ``finished``): no load by layer outlives its step."""
+    store = MemoryStore(capacity=1 << 30)
+    names, saved, saver, fresh, loader = banded_workers(store)
+    saver.start_saves(StepPlan(saves=[ops("s", [3])]))
+    assert saver.engine is not None
+    assert all(r.ok for r in saver.engine.wait(saver._book.jobs, timeout=10))
+    loader.start_loads(StepPlan(loads=[by_layer("l", [9])]))
+    loader.start_saves(StepPlan())
+    assert not loader._band_jobs and not loader._layered
+    for n in names:
+        assert torch.equal(fresh[n][9], saved[n][3])
+    assert loader.finished() == (set(), set()) and loader.load_errors() == set()
+    saver.close()
+    loader.close()

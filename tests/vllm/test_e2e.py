@@ -552,3 +552,48 @@ def test_engines_of_two_tenants_never_read_each_others_objects(
     a = run_engine(of("team-a"))
     assert a["results"][0]["cached_tokens"] >= 256  # from team-a's objects
     same_outputs(a, base)
+
+
+def test_loads_by_layer_land_band_by_band_and_a_failed_band_is_recomputed(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """``load_by_layer`` with two layer bands: a fresh engine loads the pool's
+    prefixes in the step that computes the rest (vLLM's sync load), waiting for
+    band 0 at layer 0 and band 1 at layer 1, and answers exactly like an engine
+    without kvpool. Then every band-1 object of one KV head is corrupted (the
+    lookup finds them present): the next fresh engine's band-1 loads fail, vLLM
+    recomputes those blocks and drops that step's output, and the answers are
+    still exact."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvpool.header import HEADER_SIZE
+    from kvpool.keys import parse_key
+    from kvpool.pool import master_keys
+
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    bands = {"pool_file": pool_file, "layer_bands": [0, 1]}
+    by_layer = {**bands, "load_by_layer": True}
+    base = run_engine(spec(tiny_model, "none"))
+    run_engine(spec(tiny_model, "kvpool", extra=bands))
+    b = run_engine(spec(tiny_model, "kvpool", extra=by_layer, log_level="DEBUG"))
+    same_outputs(b, base)
+    assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
+    assert not b["connector"]["failures"]
+    assert "waited" in b["log"] and "for layer band(s) up to 0" in b["log"]
+
+    keys = [k for k in master_keys(local_pool.config().metrics_url)
+            if parse_key(k).content.band == 1 and parse_key(k).content.head == 0]  # fmt: skip
+    assert keys
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "",
+                     local_pool.master_address) == 0  # fmt: skip
+    try:
+        for key in keys:  # a payload byte flipped, the checksum left: corrupt
+            obj = bytearray(raw.get(key))
+            obj[HEADER_SIZE + 5] ^= 0x10
+            assert raw.remove(key, True) == 0 and raw.put(key, bytes(obj)) == 0
+    finally:
+        raw.close()
+    c = run_engine(spec(tiny_model, "kvpool", extra=by_layer))
+    same_outputs(c, base)
+    assert c["connector"]["failures"].get("corrupt", 0) >= 1

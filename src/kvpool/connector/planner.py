@@ -8,10 +8,15 @@
         event of a chunk stored (with ``events``); ``new_plan``: the record each
         step's plan is built in. ``kvpool.vllm.scheduler`` gives vLLM's.
 
-    Planner.matched_tokens(request, computed)  tokens to load beyond
-        ``computed`` (whole chunks, never the prompt's last token); None while
-        an async lookup is pending. It caches the plan, and with ``lookup_async``
-        starts a lookup (asked again next step) instead of waiting for one.
+    Planner.matched_tokens(request, computed)  (tokens to load beyond
+        ``computed``: whole chunks, never the prompt's last token, or None while
+        an async lookup is pending; whether the load is asynchronous: not with
+        ``by_layer``). It caches the plan, and with ``lookup_async`` starts a
+        lookup (asked again next step) instead of waiting for one.
+    Planner.by_layer  loads happen in the step that computes the rest of the
+        prompt, waited for layer band by layer band (setting ``load_by_layer``,
+        staged loads, one KV group); such a load is never reported finished, and
+        the request saves from the next step on
     Planner.after_alloc(request, num_external)  keep the load plan if vLLM
         allocated blocks for it, drop it otherwise
     Planner.build_meta(scheduler_output)  this step's loads (planned since
@@ -199,6 +204,20 @@ class Planner:
         )
         self._finishing: set[str] = set()  # finished, blocks kept: for the next step
         self._loading: set[str] = set()  # loads sent, not yet reported finished
+        # Loads inside the step that computes the rest (vLLM's sync load): asked for,
+        # staged (a direct get cannot be given up at a deadline), and one KV group
+        # (vLLM maps a sync load's failed blocks back to requests only then).
+        self.by_layer = (
+            settings.load_by_layer
+            and not settings.zero_copy
+            and settings.load_mode != "direct"
+            and len(layout.groups) == 1
+        )
+        if settings.load_by_layer and not self.by_layer:
+            logger.warning(
+                "kvpool: load_by_layer needs staged loads (no zero_copy, load_mode not "
+                "direct) and a model with one KV group; loads stay asynchronous"
+            )
 
     # -- lookups ---------------------------------------------------------------
 
@@ -273,7 +292,7 @@ class Planner:
         if need <= 0 or num_computed_tokens % chunk:
             return 0, False
         self._planned[req_id] = (num_computed_tokens // chunk, hit // chunk)
-        return need, True
+        return need, not self.by_layer
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
@@ -298,8 +317,10 @@ class Planner:
                 continue
             a, b = state.load
             state.load = None
-            meta.loads.append(RequestOps(req_id, self._chunk_ops(state, a, b)))
-            self._loading.add(req_id)
+            chunks = self._chunk_ops(state, a, b)
+            meta.loads.append(RequestOps(req_id, chunks, by_layer=self.by_layer))
+            if not self.by_layer:  # a load by layer ends in this step's forward
+                self._loading.add(req_id)
             # Loaded chunks stay in the save plan: the workers skip keys they just
             # loaded without a store call, and a chunk whose load failed is saved
             # again once vLLM has recomputed it.

@@ -45,6 +45,9 @@ class RequestOps:
     fresh_from: int | None = None
     # Saves: soft-pin the objects put for this long (the request's pin_seconds).
     pin_ms: int = 0
+    # Loads: in this step, before the forward reads each layer band (vLLM's sync
+    # load, ``load_by_layer``); never reported as a finished load.
+    by_layer: bool = False
 
 
 @dataclass

@@ -10,7 +10,11 @@
     Worker.register(kv_caches)  describe the KV tensors per group and open the
         pool (a FramedStore over Mooncake) and the TransferEngine; a pool that
         cannot be reached leaves the worker idle (every load then fails fast)
-    Worker.start_loads(meta)    queue this step's loads (background)
+    Worker.start_loads(meta)    queue this step's loads (background); a load by
+        layer (``RequestOps.by_layer``) as one job per layer band, first band first
+    Worker.wait_layer(name)     before the forward reads KV layer ``name``: this
+        step's loads by layer of its band and those before it have ended (their
+        failures go to ``load_errors``, never to ``finished``); "" waits for all
     Worker.start_saves(meta)    stage the chunks this rank writes (the layout's
         striping rule) and queue their puts; then submit again the objects of
         saves refused for local pressure (staging busy), unless saves are still
@@ -119,6 +123,13 @@ class Worker:
         self._book = SaveBook(retries=False)
         self._released: set[str] = set()  # to report as finished sending
         self._unfinished_without_engine: set[str] = set()
+        # Loads by layer (``RequestOps.by_layer``): this step's jobs per layer band,
+        # each waited for at the band's first layer; job -> (req, key -> hash).
+        self._band_jobs: dict[int, list[object]] = {}
+        self._layered: dict[object, tuple[str, dict[str, bytes]]] = {}
+        self._band_of_layer: dict[str, int] = {}  # KV layer name -> its layer band
+        self._band_of_group: dict[int, int] = {}  # engine group (shard view) -> band
+        self._layered_done: list[JobResult] = []
         self._last_stats = TransferStats()
         self._last_version = -1  # of the engine that _last_stats came from
         self._retired = TransferStats()  # counters of replaced engines
@@ -197,6 +208,10 @@ class Worker:
         """This rank's shards' views (``connector.shards``); fills ``_shards``."""
         local = {g: self._groups[i] for g, i in self._local.items()}
         views, self._shards = shard_views(self.identity.layout, self.rank, local, self._layer_index)
+        for pairs in self._shards.values():
+            for content, i in pairs:
+                self._band_of_group[i] = content.band
+                self._band_of_layer.update((name, content.band) for name, _ in views[i])
         return views
 
     def _zero_copy(self, store: KVStore) -> bool:
@@ -328,19 +343,84 @@ class Worker:
         self._requests_ended(meta)
         for ops in meta.loads:
             if self.engine is None:
-                self._unfinished_without_engine.add(ops.req_id)
+                if not ops.by_layer:  # reported as a finished (failed) load
+                    self._unfinished_without_engine.add(ops.req_id)
                 for c in ops.chunks:
                     self._invalid.update(b for ids in c.block_ids for b in ids if b != NULL_BLOCK)
                 continue
-            job = ("load", next(self._jobs))
             refs = self._refs(ops, writing=False)
+            if ops.by_layer:
+                self._load_by_band(ops.req_id, refs)
+                continue
+            job = ("load", next(self._jobs))
             self._loads[job] = (ops.req_id, {r.key: h for r, h in refs})
             self.engine.submit_load(job, [r for r, _ in refs])
+
+    def _load_by_band(self, req_id: str, refs: list[tuple[ChunkRef, bytes]]) -> None:
+        """One load job per layer band, the first band first (the load thread takes
+        jobs in order): the forward waits for each band at its first layer."""
+        assert self.engine is not None
+        bands: dict[int, list[tuple[ChunkRef, bytes]]] = {}
+        for ref, h in refs:
+            bands.setdefault(self._band_of_group[ref.group], []).append((ref, h))
+        for band in sorted(bands):
+            job = ("load", next(self._jobs))
+            self._layered[job] = (req_id, {r.key: h for r, h in bands[band]})
+            self._band_jobs.setdefault(band, []).append(job)
+            self.engine.submit_load(job, [r for r, _ in bands[band]])
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before the forward reads ``layer_name``: this step's loads of its layer
+        band (and of every band before it) are in the KV cache, or failed (their
+        blocks are then reported for recompute, ``load_errors``)."""
+        if not self._band_jobs:
+            return
+        band = self._band_of_layer.get(layer_name)
+        upto = max(self._band_jobs) if band is None else band
+        jobs = [j for b in sorted(self._band_jobs) if b <= upto for j in self._band_jobs.pop(b)]
+        if jobs and self.engine is not None:
+            start = time.perf_counter()
+            for result in self.engine.wait_loads(jobs):
+                req_id, hashes = self._layered.pop(result.job_id)
+                self._load_ended(req_id, hashes, result)
+                self._layered_done.append(result)  # for the next ``finished``'s health check
+            logger.debug(
+                "kvpool: waited %.1f ms for layer band(s) up to %d",
+                (time.perf_counter() - start) * 1e3,
+                upto,
+            )
+
+    def _load_ended(self, req_id: str, hashes: dict[str, bytes], result: JobResult) -> bool:
+        """Note a load's failures (blocks to recompute, chunks to suppress); True if
+        it failed."""
+        logger.debug(
+            "kvpool: load of %s: %d chunk(s), %.1f MiB in %.1f ms",
+            req_id,
+            len(result.statuses),
+            result.nbytes / 2**20,
+            result.seconds * 1e3,
+        )
+        bad = [k for k, s in result.statuses.items() if not s.ok]
+        if not bad:
+            return False
+        self._invalid |= result.invalid_block_ids
+        # A chunk refused locally says nothing about its object: no suppression.
+        refused = Status.REFUSED
+        self._failed_hashes.update(hashes[k] for k in bad if result.statuses[k] is not refused)
+        causes = sorted({result.statuses[k].value for k in bad})
+        logger.warning(
+            "kvpool: load of %d chunk(s) of %s failed (%s); recomputing",
+            len(bad),
+            req_id,
+            ", ".join(causes),
+        )
+        return True
 
     def start_saves(self, meta: StepPlan) -> None:
         self._requests_ended(meta)
         if self.engine is None:
             return
+        self.wait_layer("")  # a band the forward never asked for: done before saves
         for ops in meta.saves:
             pairs = self._refs(ops, writing=True)
             if pairs and ops.fresh_from is not None:
@@ -394,6 +474,7 @@ class Worker:
         """
         done, failed = set(self._unfinished_without_engine), set(self._unfinished_without_engine)
         self._unfinished_without_engine.clear()
+        self.wait_layer("")  # loads by layer end in their step (vLLM may skip saves)
         if idle:
             if self.engine is not None and (self._loads or self._book.has_finishing):
                 self.engine.wait_any(IDLE_WAIT_S)
@@ -401,7 +482,8 @@ class Worker:
                 time.sleep(IDLE_WAIT_S)
         results, self._early = self._early, []
         results += self.engine.poll() if self.engine is not None else []
-        results += self._check_store(results)
+        results += self._check_store(results + self._layered_done)
+        self._layered_done = []
         for result in results:
             if result.kind != "load":
                 self._book.ended(result.job_id, result)
@@ -409,29 +491,8 @@ class Worker:
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
             done.add(req_id)
-            logger.debug(
-                "kvpool: load of %s: %d chunk(s), %.1f MiB in %.1f ms",
-                req_id,
-                len(result.statuses),
-                result.nbytes / 2**20,
-                result.seconds * 1e3,
-            )
-            bad = [k for k, s in result.statuses.items() if not s.ok]
-            if bad:
+            if self._load_ended(req_id, hashes, result):
                 failed.add(req_id)
-                self._invalid |= result.invalid_block_ids
-                # A chunk refused locally says nothing about its object: no suppression.
-                refused = Status.REFUSED
-                self._failed_hashes.update(
-                    hashes[k] for k in bad if result.statuses[k] is not refused
-                )
-                causes = sorted({result.statuses[k].value for k in bad})
-                logger.warning(
-                    "kvpool: load of %d chunk(s) of %s failed (%s); recomputing",
-                    len(bad),
-                    req_id,
-                    ", ".join(causes),
-                )
         self._released |= self._book.release(time.monotonic(), pool=self.engine is not None)
         return done, failed
 

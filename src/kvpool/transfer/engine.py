@@ -16,6 +16,8 @@
                                    staged load older than ``load_timeout_s`` is
                                    reported here as TIMED_OUT and abandoned
     wait(job_ids, timeout)         block until those jobs finish
+    wait_loads(job_ids)            block until those loads finish, staged ones at
+                                   most ``load_timeout_s`` (then TIMED_OUT)
     saves_blocked                  a save now would be refused at once
     abandon_loads()                report every unfinished staged load failed now
     close()                        stop the threads after the queued jobs
@@ -283,6 +285,20 @@ class TransferEngine:
         Results of other jobs stay queued for ``poll``.
         """
         return self._core.wait(job_ids, timeout)
+
+    def wait_loads(self, job_ids: Iterable[Hashable]) -> list[JobResult]:
+        """``wait`` for loads, reporting staged ones past ``load_timeout_s`` as
+        TIMED_OUT meanwhile (as ``poll`` does); without a deadline (or direct) as
+        long as the store takes."""
+        want = set(job_ids)
+        got: list[JobResult] = []
+        while want:
+            step = None if self._loads.timeout_s is None else 0.05
+            done = self._core.wait(want, step)
+            got += done
+            want -= {r.job_id for r in done}
+            self._loads.abandon_late()
+        return got
 
     @property
     def can_abandon(self) -> bool:

@@ -87,6 +87,9 @@ class Loads:
         keys = [c.key for c in job.chunks]
         if job.reported:  # timed out while queued
             return
+        # A load's time counts from here (the deadline from submission): loads by
+        # layer submit a job per band at once, each band's time is its own.
+        job.started = time.monotonic()
         if not keys:
             self.finish(job, {})
             return
@@ -270,7 +273,7 @@ class Loads:
                     invalid.update(c.block_ids)
             ok_chunks = [c for c in job.chunks if statuses[c.key].ok]
         nbytes = sum(core.sizes(ok_chunks))
-        seconds = time.monotonic() - job.submitted
+        seconds = time.monotonic() - (job.started or job.submitted)
         with core.counting():
             core.stats.load_s += seconds
             core.stats.chunks_loaded += len(ok_chunks)

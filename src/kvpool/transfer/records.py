@@ -53,7 +53,7 @@ class JobResult:
     invalid_block_ids: frozenset[int] = frozenset()  # loads: blocks to recompute
     skipped: int = 0  # saves: chunks not written (already stored, or refused)
     nbytes: int = 0  # payload bytes moved
-    seconds: float = 0.0  # wall time from submit to finish
+    seconds: float = 0.0  # wall time to finish: saves from submit, loads from start
     known: tuple[str, ...] = ()  # saves: keys skipped as stored recently (no store call)
     # Saves: why chunks were refused before the store was asked ("" when none
     # were), and the lowest chunk index refused (the job was refused from some
@@ -94,7 +94,7 @@ class TransferStats:
     save_wait_s: float = 0.0  # time callers waited for save staging (pool slower than KV)
     puts_no_space: int = 0  # objects whose put met a full pool (then retried)
     full_wait_s: float = 0.0  # time the save thread waited for a full pool to evict
-    load_s: float = 0.0  # wall time of finished load jobs, submit to finish, summed
+    load_s: float = 0.0  # wall time of finished load jobs, start to finish, summed
 
     def __add__(self, other: TransferStats) -> TransferStats:
         """Counters of two engines (e.g. before and after a reconnect) together."""
@@ -129,6 +129,7 @@ class Job:
     kind: JobKind
     chunks: list[ChunkRef]
     submitted: float
+    started: float = 0.0  # loads: when the load thread took it (0: not yet)
     skipped: int = 0
     known: list[str] = field(default_factory=list)  # saves: keys skipped as stored recently
     pieces: list[tuple[int, int]] = field(default_factory=list)  # chunk ranges moved together

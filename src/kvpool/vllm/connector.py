@@ -31,6 +31,13 @@ value in ``kv_connector_extra_config`` or a ``KVPOOL_*`` override, a run_dir
 too long for a socket) raises ``ConfigError`` and stops the engine at start:
 a typo must not turn caching off in silence.
 
+With ``load_by_layer``, a hit is loaded in the step that computes the rest of the
+prompt (vLLM's sync load): the worker starts one load per layer band before the
+forward and ``wait_for_layer_load`` waits for a band at its first layer, so the
+load overlaps the forward; failed blocks are reported by
+``get_block_ids_with_load_errors`` and vLLM recomputes them (discarding that
+step's output for the request).
+
 Hybrid models: the connector supports vLLM's hybrid KV cache manager
 (``SupportsHMA``), so sliding-window groups keep only their window's blocks; a
 hit needs each sliding-window group's chunks inside the window only, and blocks
@@ -370,7 +377,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        if self._worker is not None:  # loads by layer (load_by_layer); else nothing to wait
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

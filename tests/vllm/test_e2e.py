@@ -597,3 +597,35 @@ def test_loads_by_layer_land_band_by_band_and_a_failed_band_is_recomputed(
     c = run_engine(spec(tiny_model, "kvpool", extra=by_layer))
     same_outputs(c, base)
     assert c["connector"]["failures"].get("corrupt", 0) >= 1
+
+
+def test_a_tp2_engine_loads_by_layer_each_rank_its_heads_band_by_band(
+    run_engine: RunEngine,
+    local_pool: Any,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``load_by_layer`` under TP=2 (worker processes, 4 of 8 KV heads each, two
+    layer bands): a TP=1 engine writes the prompts, a fresh TP=2 engine loads each
+    rank's heads band by band in the computing step and answers like a TP=2 engine
+    without kvpool (greedy tokens equal, logprobs within the cross-TP tolerance of
+    ``test_engines_at_tp2_and_tp1_share_prefixes_both_ways``)."""
+    from kvpool.demo.run import outputs_match
+    from kvpool.demo.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(
+        tmp_path_factory.mktemp("llama-8kv-bands"), layers=4, heads=8, kv_heads=8, head_dim=128
+    )
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    bands = {"pool_file": pool_file, "layer_bands": [0, 2]}
+    tp2: dict[str, Any] = {"tp": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+    q = prompts(2)
+    base2 = run_engine(spec(model, "none", prompts=q, **tp2))
+    run_engine(spec(model, "kvpool", prompts=q, extra=bands))
+    c = run_engine(spec(model, "kvpool", prompts=q, extra={**bands, "load_by_layer": True}, **tp2))
+    assert [r["cached_tokens"] for r in c["results"]] == [288, 288, 288]
+    # No load failed: each rank logs its own failures, and both ranks' lines are here.
+    assert c["log"].count("kvpool: worker moves KV to the pool") == 2
+    assert "recomputing" not in c["log"]
+    for got, want in zip(c["results"], base2["results"], strict=True):
+        assert outputs_match(got, want), (got, want)

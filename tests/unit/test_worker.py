@@ -477,7 +477,7 @@ def banded_workers(
         return w
 
     saved = {n: t for n, t in zip(names, kv_caches().values(), strict=True)}
-    fresh = {n: torch.zeros_like(t) for n in names for t in [saved[n]]}
+    fresh = {n: torch.zeros_like(t) for n, t in saved.items()}
     return names, saved, worker(saved), fresh, worker(fresh)
 
 

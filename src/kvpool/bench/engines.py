@@ -59,6 +59,10 @@ BLOCK = 32
 MAX_TOKENS = 4
 WARMUP_TOKENS = BLOCK // 2  # the warm-up prompt: shorter than a block, never pooled
 SAVE_WAIT_S = 120.0  # a cold engine's saves must be in the pool by then (verdict "lost N")
+# Every engine and server of the benches reserves the same cores for vLLM's other
+# processes: vLLM reserves one more per worker when a KV connector is configured, so
+# without it the baseline ran another OpenMP thread count than the connectors.
+RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,10 +332,7 @@ def run_engine_bench(
         "warmup": True,
         "warmup_tokens": WARMUP_TOKENS,
         "progress": True,
-        # Every engine reserves the same cores (vLLM reserves one more per worker when
-        # a KV connector is configured): one OpenMP thread count for all, so the
-        # baseline's local hit and the connectors' warm requests compute alike.
-        "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), **RESERVED_CPUS},
     }
     twice = [p for p in ids for _ in range(2)]
     baseline = run_engine(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.engines import BLOCK, mooncake_env
+from kvpool.bench.engines import BLOCK, RESERVED_CPUS, mooncake_env
 from kvpool.demo.failure import failure_line
 from kvpool.demo.server import ServerFailed, VllmServer, kv_transfer_config, vllm_command
 from kvpool.demo.shapes import SHAPES, TINY_HIDDEN, ModelShape
@@ -57,7 +57,6 @@ __all__ = [
 ]
 
 CONNECTORS = ("none", "kvpool", "mooncake")
-RESERVED_CPUS = "1"  # VLLM_CPU_NUM_OF_RESERVED_CPU of every server (see run_serve_bench)
 
 
 class BenchFailed(KVPoolError):
@@ -266,7 +265,7 @@ def run_serve_bench(
             # the server without a connector ran one OpenMP thread against the
             # connectors' two (its prefill took 16.8 s against 9.7 s: not a connector's
             # doing).
-            args, env = list(engine_args), {"VLLM_CPU_NUM_OF_RESERVED_CPU": RESERVED_CPUS}
+            args, env = list(engine_args), dict(RESERVED_CPUS)
             if name == "kvpool":
                 args += ["--kv-transfer-config", kv_transfer_config(pool_file)]
             elif name == "mooncake":

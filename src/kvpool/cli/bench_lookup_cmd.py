@@ -51,6 +51,10 @@ def _layouts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[st
     return names
 
 
+def _prompt(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
 def _p50(ms: float, target: float | None) -> str:
     if target is None:
         return f"{ms:.2f}"
@@ -89,7 +93,7 @@ def lookup_bench_table(bench: LookupBench) -> Table:
         target = c.target_ms
         t.add_row(
             c.layout,
-            f"{c.prompt_tokens // 1024}k" if c.prompt_tokens % 1024 == 0 else str(c.prompt_tokens),
+            _prompt(c.prompt_tokens),
             str(c.keys),
             f"{c.keys_probed:.0f}",
             _p50(c.hit_p50_ms, target),
@@ -121,7 +125,7 @@ def lookup_summary_table(bench: LookupBench) -> Table:
     for c in bench.cases:
         t.add_row(
             c.layout,
-            f"{c.prompt_tokens // 1024}k" if c.prompt_tokens % 1024 == 0 else str(c.prompt_tokens),
+            _prompt(c.prompt_tokens),
             str(c.keys),
             f"{c.keys_probed:.0f}",
             *(f"{ms:.2f}" for ms in (c.hit_p50_ms, c.partial_p50_ms, c.miss_p50_ms)),

@@ -292,8 +292,8 @@ class TransferEngine:
         long as the store takes."""
         want = set(job_ids)
         got: list[JobResult] = []
+        step = None if self._loads.timeout_s is None else 0.05
         while want:
-            step = None if self._loads.timeout_s is None else 0.05
             done = self._core.wait(want, step)
             got += done
             want -= {r.job_id for r in done}

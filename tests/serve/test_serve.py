@@ -203,3 +203,31 @@ def test_a_request_chooses_what_it_saves_and_loads(serve: Serve) -> None:
     assert capped.cached_tokens == 2 * BLOCK
     assert second.complete(p3, kv_transfer_params={"max_load_tokens": 0}).cached_tokens == 0
     assert metric(second, "vllm:kvpool_chunks_loaded_total") == 2 * 2  # p2's two chunks
+
+
+def test_a_fresh_bf16_server_loads_by_layer_through_staging_smaller_than_the_prompt(
+    serve: Serve, real_kv_model: Path
+) -> None:
+    """``load_by_layer`` behind ``vllm serve`` in bfloat16 at Llama-3-8B's KV shape,
+    four layer bands, staging of 16 MiB (8 MiB for loads) against 68 MiB of prompt
+    KV: a restarted server's first request loads all but one token band by band in
+    the step that computes that token, and answers exactly like the cold server's
+    local hit."""
+    blocks = 17
+    rng = random.Random(11)
+    ids = [rng.randrange(10, 1000) for _ in range(blocks * BLOCK + 1)]
+    bands = {"layer_bands": [0, 8, 16, 24], "staging_bytes": "16MiB"}
+    start = functools.partial(serve, model=real_kv_model, dtype="bfloat16", kv_cache="1G")
+    cold = start("cold-bands", connector=bands)
+    assert cold.complete(ids).cached_tokens == 0
+    local = cold.complete(ids)
+    assert local.cached_tokens == blocks * BLOCK
+    saved_all(cold, blocks * KV_HEADS * 4)
+    cold.stop()
+
+    fresh = start("fresh-by-layer", connector={**bands, "load_by_layer": True})
+    hit = fresh.complete(ids)
+    assert hit.cached_tokens == blocks * BLOCK, hit
+    assert same_answer(hit, local), (hit, local)
+    assert metric(fresh, "vllm:kvpool_chunks_loaded_total") == blocks * KV_HEADS * 4
+    assert "recomputing" not in fresh.log_path.read_text()

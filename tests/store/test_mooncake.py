@@ -203,28 +203,56 @@ def test_batches_beyond_mooncakes_segments_in_flight_all_succeed(local_pool: Any
         store.batch_remove(keys, force=True)
 
 
-def test_a_prefault_touches_staging_through_the_holder_and_leaves_nothing_behind(
+def _minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (``/proc/<pid>/stat``, field 10)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[7])
+
+
+def test_a_prefault_maps_memory_in_the_holder_reading_only_and_leaves_nothing_behind(
     local_pool: LocalPool,
 ) -> None:
-    """``prefault``: shared memory only; it overwrites the whole buffer (the holder
-    wrote every window), its transient object is gone afterwards, and a transfer
-    engine built with it saves and loads the right bytes at once."""
+    """``prefault``: shared memory only. The holder maps every page of the buffer
+    then, not in the first get: a get of 32 MiB into a prefaulted buffer costs the
+    holder under a tenth of the page faults of one into a buffer it never touched
+    (8192 pages). It only reads (the buffer's bytes stay), its transient objects
+    are gone afterwards, and a transfer engine built with it saves and loads the
+    right bytes."""
     import torch
 
     from kvpool.pool import completed_puts, master_keys, master_metrics
     from kvpool.transfer import ChunkRef, TransferEngine
 
+    holder = local_pool.holder_pid
+    assert holder is not None
+    n = 32 * MiB
     with (
         MooncakeStore(local_pool.config(), shared_memory=True) as shm,
         MooncakeStore(local_pool.config()) as tcp,
     ):
-        buf = shm.alloc_staging(8 * MiB)
-        buf[:] = 7
-        buf[:MiB] = rand(MiB, 9)
-        assert shm.prefault(buf.ctypes.data, buf.nbytes)
-        for w in range(8):  # every window now holds the first one's bytes
-            assert np.array_equal(buf[w * MiB : (w + 1) * MiB], buf[:MiB]), w
-        assert not tcp.prefault(buf.ctypes.data, buf.nbytes)  # TCP: nothing to do
+        src = shm.alloc_staging(n)
+        src[:] = rand(n, 9)
+        keys = [f"pf/{i}" for i in range(n // MiB)]
+        assert (
+            shm.batch_put(keys, [seg(src[i * MiB : (i + 1) * MiB]) for i in range(32)])
+            == [Status.OK] * 32
+        )
+        faults = {}
+        for name in ("fresh", "prefaulted"):
+            dst = shm.alloc_staging(n)
+            dst[:] = 7  # this process's own touch does not map the holder's pages
+            if name == "prefaulted":
+                assert shm.prefault(dst.ctypes.data, n)
+                assert (dst == 7).all()  # reads only
+            start = _minor_faults(holder)
+            got = shm.batch_get(keys, [seg(dst[i * MiB : (i + 1) * MiB]) for i in range(32)])
+            faults[name] = _minor_faults(holder) - start
+            assert got == [Status.OK] * 32 and np.array_equal(dst, src)
+        assert faults["fresh"] >= n // 4096, faults  # a fault per page: the control
+        assert faults["prefaulted"] < faults["fresh"] // 10, faults
+        assert not tcp.prefault(src.ctypes.data, n)  # TCP: nothing to do
+        shm.batch_remove(keys, force=True)
         assert master_keys(local_pool.metrics_url) == []
 
         kv = torch.randn(16, 2, 32, 512)  # 16 blocks of 128 KiB
@@ -233,6 +261,7 @@ def test_a_prefault_touches_staging_through_the_holder_and_leaves_nothing_behind
             FramedStore(shm, FP), [[("l0", kv)]], 16, staging_bytes=32 * MiB, prefault=True
         )
         try:
+            assert engine.prefaulted.wait(30)
             chunks = [ChunkRef(f"pf/{b}", 0, b, (b,)) for b in range(4)]
             assert engine.submit_save("s", chunks)
             assert engine.wait(["s"], timeout=30)[0].ok
@@ -244,5 +273,5 @@ def test_a_prefault_touches_staging_through_the_holder_and_leaves_nothing_behind
         finally:
             engine.close()
         assert sorted(master_keys(local_pool.metrics_url)) == [c.key for c in chunks]
-        # the engine's prefault: one transient put, then the 4 chunks
+        # the engine's prefault: one transient put (512 touches), then the 4 chunks
         assert completed_puts(master_metrics(local_pool.metrics_url)) - puts == 1 + 4

@@ -536,11 +536,15 @@ def test_extra_keys_name_chunks_with_their_tokens_and_bad_ones_stop_pooling() ->
     assert s.build_meta(step([("c", 0)], {"c": 4 * B})).saves == []
 
 
-def test_load_by_layer_loads_in_the_computing_step_and_saves_the_rest_after() -> None:
-    """vLLM's sync load: the hit is not asynchronous, the plan marks it by layer, the
-    request is not waited for as a load in flight, and the prompt's new chunks are
-    saved from the next step on (never in the step that loads)."""
-    s, _, manager = side(hit=4 * B, load_by_layer=True)
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_load_by_layer_loads_in_the_computing_step_and_saves_the_rest_after(
+    zero_copy: bool,
+) -> None:
+    """vLLM's sync load, staged or zero copy: the hit is not asynchronous, the plan
+    marks it by layer, the request is not waited for as a load in flight, and the
+    prompt's new chunks are saved from the next step on (never in the step that
+    loads)."""
+    s, _, manager = side(hit=4 * B, load_by_layer=True, zero_copy=zero_copy)
     assert s.by_layer
     req = FakeRequest.make("r", 6 * B + 5)
     assert s.matched_tokens(req, 0) == (4 * B, False)
@@ -560,16 +564,18 @@ def test_load_by_layer_loads_in_the_computing_step_and_saves_the_rest_after() ->
 @pytest.mark.parametrize(
     "settings, groups",
     [
-        ({"zero_copy": True}, ["gqa:2"]),
         ({"load_mode": "direct"}, ["gqa:2"]),
         ({}, ["gqa:2", "gqa:2:w64"]),
+        ({"zero_copy": True}, ["gqa:2", "gqa:2:w64"]),
     ],
 )
 def test_load_by_layer_stays_asynchronous_where_it_cannot_be_done_safely(
     settings: dict[str, Any], groups: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A direct load cannot be given up at a deadline, and vLLM maps a sync load's
-    failed blocks to requests only with one KV group: loads stay asynchronous, said."""
+    """A direct load from another host into the KV cache cannot be given up at a
+    deadline (zero copy waits for its holder on this host), and vLLM maps a sync
+    load's failed blocks to requests only with one KV group: loads stay
+    asynchronous, said."""
     s = Planner(
         grouped(groups),
         ConnectorSettings(load_by_layer=True, **settings),

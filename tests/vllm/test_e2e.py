@@ -554,14 +554,16 @@ def test_engines_of_two_tenants_never_read_each_others_objects(
     same_outputs(a, base)
 
 
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero_copy"])
 def test_loads_by_layer_land_band_by_band_and_a_failed_band_is_recomputed(
-    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path, zero_copy: bool
 ) -> None:
-    """``load_by_layer`` with two layer bands: a fresh engine loads the pool's
-    prefixes in the step that computes the rest (vLLM's sync load), waiting for
-    band 0 at layer 0 and band 1 at layer 1, and answers exactly like an engine
-    without kvpool. Then every band-1 object of one KV head is corrupted (the
-    lookup finds them present): the next fresh engine's band-1 loads fail, vLLM
+    """``load_by_layer`` with two layer bands, staged or zero copy: a fresh engine
+    loads the pool's prefixes in the step that computes the rest (vLLM's sync
+    load), waiting for band 0 at layer 0 and band 1 at layer 1, and answers exactly
+    like an engine without kvpool. Then every band-1 object of one KV head is
+    corrupted (the lookup finds them present): the next fresh engine's band-1 loads
+    fail (with zero copy the bad bytes are already in its KV cache), vLLM
     recomputes those blocks and drops that step's output, and the answers are
     still exact."""
     from mooncake.store import MooncakeDistributedStore
@@ -572,7 +574,7 @@ def test_loads_by_layer_land_band_by_band_and_a_failed_band_is_recomputed(
 
     pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
     bands = {"pool_file": pool_file, "layer_bands": [0, 1]}
-    by_layer = {**bands, "load_by_layer": True}
+    by_layer = {**bands, "load_by_layer": True, "zero_copy": zero_copy}
     base = run_engine(spec(tiny_model, "none"))
     run_engine(spec(tiny_model, "kvpool", extra=bands))
     b = run_engine(spec(tiny_model, "kvpool", extra=by_layer, log_level="DEBUG"))
@@ -580,6 +582,7 @@ def test_loads_by_layer_land_band_by_band_and_a_failed_band_is_recomputed(
     assert [r["cached_tokens"] for r in b["results"]] == [288, 288, 288]
     assert not b["connector"]["failures"]
     assert "waited" in b["log"] and "for layer band(s) up to 0" in b["log"]
+    assert ("KV cache placed in pool memory" in b["log"]) is zero_copy
 
     keys = [k for k in master_keys(local_pool.config().metrics_url)
             if parse_key(k).content.band == 1 and parse_key(k).content.head == 0]  # fmt: skip

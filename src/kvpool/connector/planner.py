@@ -205,17 +205,17 @@ class Planner:
         self._finishing: set[str] = set()  # finished, blocks kept: for the next step
         self._loading: set[str] = set()  # loads sent, not yet reported finished
         # Loads inside the step that computes the rest (vLLM's sync load): asked for,
-        # staged (a direct get cannot be given up at a deadline), and one KV group
-        # (vLLM maps a sync load's failed blocks back to requests only then).
+        # staged or zero copy (a direct get into the KV cache from another host cannot
+        # be given up at a deadline), and one KV group (vLLM maps a sync load's failed
+        # blocks back to requests only then).
         self.by_layer = (
             settings.load_by_layer
-            and not settings.zero_copy
-            and settings.load_mode != "direct"
+            and (settings.zero_copy or settings.load_mode != "direct")
             and len(layout.groups) == 1
         )
         if settings.load_by_layer and not self.by_layer:
             logger.warning(
-                "kvpool: load_by_layer needs staged loads (no zero_copy, load_mode not "
+                "kvpool: load_by_layer needs staged or zero-copy loads (load_mode not "
                 "direct) and a model with one KV group; loads stay asynchronous"
             )
 

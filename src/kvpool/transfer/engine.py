@@ -23,8 +23,10 @@
     close()                        stop the threads after the queued jobs
 
 With ``prefault`` (the connector's workers), a store that moves bytes through its
-own staging (Mooncake's shared memory) touches all of it before the first
-transfer (``KVStore.prefault``): a fresh engine's first loads run at full speed.
+own memory (Mooncake's shared memory) touches all of it, staging and a zero-copy KV
+cache, on a background thread at start (``KVStore.prefault``, reads only;
+``prefaulted`` is set when it ended): a fresh engine's first loads run at full
+speed.
 
 Any job size moves through bounded staging (``pieces``): staging is split between
 saves and staged loads, each piece reserves only its own bytes and releases them
@@ -33,7 +35,7 @@ staging waits, inside ``submit_save``, for earlier pieces' puts to free space: t
 staging size sets speed, not whether a chunk is saved. A wait for a piece's space
 that does not end within ``save_wait_s`` (the pool stopped taking puts) refuses
 the rest of the job ("staging_busy", retryable) and later saves refuse at once,
-without waiting, until a put (or the end of a prefault) frees space again.
+without waiting, until a put frees space again.
 Zero-copy saves refuse past 64 queued jobs ("queue_full"). Objects must fit the
 staging (checked at start).
 
@@ -100,9 +102,6 @@ PIECE_BYTES = 16 << 20  # Mooncake pays ~0.4 ms per batch call: pieces stay larg
 # A staged load's piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB (fewer
 # batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
 LOAD_PIECE_BYTES = 32 << 20
-# What construction waits for a prefault of staging: it takes ~0.15 s for 128 MiB
-# on a quiet host, seconds on a loaded one; saves made while it runs wait for it.
-PREFAULT_WAIT_S = 10.0
 
 
 class TransferEngine:
@@ -219,44 +218,35 @@ class TransferEngine:
             thread.daemon = True
             thread.start()
         self._closed = False
-        if prefault and staging.numel() and store.requires_staging:
-            self._prefault(store, staging)
+        self.prefaulted = threading.Event()
+        spans = [(int(staging.data_ptr()), staging.numel())] if staging.numel() else []
+        if zero_copy:
+            spans += sorted({r.base: r.nbytes for g in self.groups for r in g.regions}.items())
+        if prefault and spans and store.requires_staging:
+            self._prefault(store, spans)
+        else:
+            self.prefaulted.set()
 
-    def _prefault(self, store: KVStore, staging: torch.Tensor) -> None:
-        """Have the store touch the whole staging before the first transfer
-        (``KVStore.prefault``), with every byte of both arenas reserved meanwhile:
-        a save waits for it (refused as staging_busy after ``save_wait_s``), a load
-        waits inside its deadline. Waits up to ``PREFAULT_WAIT_S`` for it; a store
-        slower than that finishes in the background, keeping staging reserved."""
-        arenas = [self._save_arena, self._load_arena]
-        held = [(a, a.alloc(a.nbytes)) for a in arenas if a.nbytes]
-        if any(start is None for _, start in held):  # not all of it: never write there
-            for arena, start in held:
-                if start is not None:
-                    arena.free(start)
-            return
+    def _prefault(self, store: KVStore, spans: list[tuple[int, int]]) -> None:
+        """Have the store touch ``spans`` (staging; the KV tensors with zero copy) on
+        a background thread (``KVStore.prefault``, which only reads): transfers go
+        on meanwhile, and one that meets a page not touched yet only pays for its
+        fault. ``prefaulted`` is set when it ended."""
 
         def touch() -> None:
             t0 = time.monotonic()
             try:
-                done = store.prefault(int(staging.data_ptr()), staging.numel())
+                done = [store.prefault(addr, nbytes) for addr, nbytes in spans]
             finally:
-                for arena, start in held:
-                    assert start is not None
-                    arena.free(start)  # a save refused meanwhile: the next one waits
-            took = time.monotonic() - t0
-            level = logging.INFO if took > PREFAULT_WAIT_S else logging.DEBUG
-            logger.log(level, "kvpool: staging prefaulted (%s) in %.0f ms", done, took * 1e3)
-
-        thread = threading.Thread(target=touch, name="kvpool-prefault", daemon=True)
-        thread.start()
-        thread.join(PREFAULT_WAIT_S)
-        if thread.is_alive():
-            logger.info(
-                "kvpool: the pool took over %.0f s to prefault staging; saves and loads wait "
-                "for it (a save waiting past save_wait_s is refused)",
-                PREFAULT_WAIT_S,
+                self.prefaulted.set()
+            logger.debug(
+                "kvpool: %.0f MiB prefaulted (%s) in %.0f ms",
+                sum(n for _, n in spans) / 2**20,
+                all(done),
+                (time.monotonic() - t0) * 1e3,
             )
+
+        threading.Thread(target=touch, name="kvpool-prefault", daemon=True).start()
 
     # -- public --------------------------------------------------------------------
 

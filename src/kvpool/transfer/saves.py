@@ -11,7 +11,7 @@
 Rules (the contract is ``kvpool.transfer.engine``'s): a staged save reads KV
 blocks only inside ``submit``; a wait for a piece's space that does not end
 within ``wait_s`` refuses the rest of the job ("staging_busy") and later saves
-refuse at once until staging is freed (by a put, or the end of a prefault);
+refuse at once until a put frees staging;
 zero-copy saves (no staging bounds them) refuse past ``ZERO_COPY_BACKLOG`` queued
 jobs ("queue_full"); NO_SPACE,
 TRANSFER_FAILED or UNAVAILABLE on a put starts a growing back-off

@@ -160,6 +160,44 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     assert any("lost 61" in line for line in lines)
 
 
+def test_samples_collapse_to_medians_and_one_sample_without_hits_makes_no_hits() -> None:
+    """``--samples 3``: three prompts of each length, one row each with the medians
+    of every time; the fewest hits of any sample (one that hit nothing: "no
+    hits", no speed-up); outputs identical only if all were."""
+    from kvpool.bench.engines import ConnectorRun, EngineBench, LengthRow, collapse
+    from kvpool.cli.bench_vllm_cmd import engine_bench_legend
+    from kvpool.demo.shapes import SHAPES
+
+    rows = (
+        LengthRow(1000, 3.0, 0.30, 992, True, 100, 0.10),
+        LengthRow(1000, 2.0, 0.90, 992, True, 100, 0.30),
+        LengthRow(1000, 4.0, 0.20, 992, True, 100, 0.05),
+        LengthRow(4000, 9.0, 0.50, 3968, True, 400, 0.2),
+        LengthRow(4000, 8.0, 0.60, 0, True, 0, 0.0),
+        LengthRow(4000, 7.0, 0.40, 3968, False, 400, 0.3),
+    )
+    run = ConnectorRun("kvpool", rows, 1 << 20, 125)
+    bench = EngineBench(
+        SHAPES["llama3-8b"],
+        (1000,) * 3 + (4000,) * 3,
+        (1.0, 1.2, 1.1, 4.0, 4.4, 4.2),
+        (0.1, 0.3, 0.2, 0.25, 0.2, 0.3),
+        (run,),
+    )
+    got = collapse(bench, 3, (0.01, 0.04))
+    assert got.lengths == (1000, 4000) and got.samples == 3 and got.copy_s == (0.01, 0.04)
+    assert got.prefill_s == pytest.approx((1.1, 4.2))
+    assert got.local_hit_s == pytest.approx((0.2, 0.25))
+    first, second = got.runs[0].rows
+    assert (first.cold_ttft_s, first.warm_ttft_s, first.load_s) == (3.0, 0.30, 0.10)
+    assert first.hit_tokens == 992 and first.identical
+    assert got.vs_local(got.runs[0], 0) == pytest.approx(1.5)
+    assert second.hit_tokens == 0 and not second.identical
+    assert got.verdict(got.runs[0], 1) == "no hits" and got.vs_local(got.runs[0], 1) is None
+    assert "3 prompts of each length" in engine_bench_legend(got)
+    assert "one prompt at a time" in engine_bench_legend(collapse(bench, 1, (0.1,) * 6))
+
+
 def test_copy_seconds_times_a_real_copy() -> None:
     from kvpool.bench.engines import copy_seconds
 

@@ -17,6 +17,10 @@ here) and no pool ever sees the warm-up. Every engine reserves the same cores
 for vLLM's other processes (``VLLM_CPU_NUM_OF_RESERVED_CPU``, as ``bench serve``):
 without it the baseline ran another OpenMP thread count than the connectors.
 
+With ``samples`` > 1 each length has that many distinct prompts, each measured
+once by every engine, and a row gives their medians (``collapse``): one request
+of a 2-core machine varies by a third from run to run.
+
 Per connector and length: cold and warm TTFT, hit tokens and hit rate, the warm
 TTFT over the prefill's, the load rate (kvpool's own load time per request;
 for other connectors hit bytes over the warm TTFT minus the local-hit TTFT), and
@@ -30,6 +34,7 @@ warm run that hit nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -50,7 +55,14 @@ from kvpool.layout import Layout
 from kvpool.pool import LocalPool, completed_puts, master_metrics, wait_until
 from kvpool.settings import parse_extra
 
-__all__ = ["ConnectorRun", "EngineBench", "LengthRow", "copy_seconds", "run_engine_bench"]
+__all__ = [
+    "ConnectorRun",
+    "EngineBench",
+    "LengthRow",
+    "collapse",
+    "copy_seconds",
+    "run_engine_bench",
+]
 
 Progress = Callable[[str, int, int], None]
 
@@ -133,6 +145,7 @@ class EngineBench:
     local_hit_s: tuple[float, ...]  # baseline TTFT per length: a local prefix-cache hit
     runs: tuple[ConnectorRun, ...]
     copy_s: tuple[float, ...] = ()  # per length: one memory copy of a full hit's bytes
+    samples: int = 1  # distinct prompts per length; times are their medians
 
     def _load(self, run: ConnectorRun, i: int) -> tuple[float, float] | None:
         """(bytes, seconds) of the warm request's load: the connector's own account
@@ -309,10 +322,16 @@ def run_engine_bench(
     connectors: tuple[str, ...] = ("kvpool", "mooncake"),
     extra: dict[str, Any] | None = None,
     on_progress: Progress | None = None,
+    samples: int = 1,
 ) -> EngineBench:
-    """``extra``: kvpool connector settings (``kv_connector_extra_config``)."""
+    """``extra``: kvpool connector settings (``kv_connector_extra_config``).
+    ``samples``: distinct prompts per length, each measured once per engine; a
+    row gives their medians (``collapse``)."""
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
+    asked, lengths = tuple(lengths), [n for n in lengths for _ in range(samples)]
     longest = max(lengths)
     max_len = longest + 2 * MAX_TOKENS + BLOCK
     model = build_shaped_llama(workdir / "model", shape, TINY_HIDDEN, max_len)
@@ -409,13 +428,55 @@ def run_engine_bench(
     finally:
         pool.stop()
     progress("memory copy", 0, 1)
-    copies = tuple(copy_seconds(_hittable(n) * shape.kv_bytes_per_token) for n in lengths)
+    copies = tuple(copy_seconds(_hittable(n) * shape.kv_bytes_per_token) for n in asked)
     progress("memory copy", 1, 1)
+    return collapse(
+        EngineBench(
+            shape,
+            tuple(lengths),
+            tuple(r["ttft_s"] for r in full),
+            tuple(r["ttft_s"] for r in local_hit),
+            tuple(runs),
+        ),
+        samples,
+        copies,
+    )
+
+
+def collapse(bench: EngineBench, samples: int, copies: tuple[float, ...]) -> EngineBench:
+    """A bench of ``samples`` consecutive prompts per length (``bench.lengths``
+    lists each length that many times) as one row per length: medians of every
+    time and of the load's bytes and seconds; the fewest hit tokens of any sample
+    (a sample that hit nothing makes the row "no hits"); outputs identical only
+    if every sample's were. ``copies``: the memory copy per length."""
+
+    def med(xs: Sequence[float], i: int) -> float:
+        return float(statistics.median(xs[i * samples : (i + 1) * samples]))
+
+    n = len(bench.lengths) // samples
+    runs = []
+    for run in bench.runs:
+        rows = []
+        for i in range(n):
+            part = run.rows[i * samples : (i + 1) * samples]
+            rows.append(
+                LengthRow(
+                    part[0].tokens,
+                    statistics.median(r.cold_ttft_s for r in part),
+                    statistics.median(r.warm_ttft_s for r in part),
+                    min(r.hit_tokens for r in part),
+                    all(r.identical for r in part),
+                    int(statistics.median(r.load_bytes for r in part)),
+                    statistics.median(r.load_s for r in part),
+                )
+            )
+        runs.append(dataclasses.replace(run, rows=tuple(rows)))
     return EngineBench(
-        shape,
-        tuple(lengths),
-        tuple(r["ttft_s"] for r in full),
-        tuple(r["ttft_s"] for r in local_hit),
+        bench.shape,
+        bench.lengths[::samples],
+        tuple(med(bench.prefill_s, i) for i in range(n)),
+        tuple(med(bench.local_hit_s, i) for i in range(n)),
         tuple(runs),
         copies,
+        samples,
     )

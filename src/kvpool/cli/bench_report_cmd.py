@@ -103,6 +103,10 @@ def _demo_table() -> Any:
     return demo_request_table(DemoReport([], {}, {}, 0, 0, ""))
 
 
+ZERO_COPY_EXTRA = (
+    '{"zero_copy":true,"heads_per_object":8,"load_by_layer":true,"layer_bands":[0,8,16,24]}'
+)
+
 REPORTS: dict[str, Report] = {
     "demo": Report(("demo",), _demo_table),
     "vllm": Report(
@@ -110,6 +114,22 @@ REPORTS: dict[str, Report] = {
     ),
     "vllm-small": Report(
         ("bench", "vllm", "--shape", "small", "--lengths", "2000,3000"), _vllm_table
+    ),
+    # The same-host settings that load fastest here (README, "Loading by layer").
+    "vllm-zero-copy": Report(
+        (
+            "bench",
+            "vllm",
+            "--shape",
+            "llama3-8b",
+            "--lengths",
+            "4000",
+            "--connectors",
+            "kvpool",
+            "--extra",
+            ZERO_COPY_EXTRA,
+        ),
+        _vllm_table,
     ),
     "serve": Report(("bench", "serve", "--shape", "llama3-8b"), _serve_table),
     "capacity": Report(("bench", "capacity", "--repeats", "3"), _capacity_table),

@@ -106,8 +106,14 @@ def _ratio(x: float | None) -> str:
 
 def engine_bench_legend(result: EngineBench) -> str:
     """What the table's columns mean (printed under it)."""
+    each = (
+        f"{result.samples} prompts of each length, one at a time (len: their tokens); "
+        "TTFT in ms, medians"
+        if result.samples > 1
+        else "one prompt at a time (len: its tokens); TTFT in ms"
+    )
     return (
-        f"{result.shape.describe()}, one prompt at a time (len: its tokens). TTFT in ms. "
+        f"{result.shape.describe()}, {each}. "
         "prefill, local: an engine without a connector, the prompt cold, then from its "
         "own prefix cache; cold, warm: the connector's engines; xlocal: warm / local; "
         "hits: of the whole chunks; GB/s: the load rate (kvpool: bytes over its load's "
@@ -162,6 +168,14 @@ def _lengths(text: str) -> tuple[int, ...]:
     help="Comma-separated prompt lengths in tokens: one row each.",
 )
 @click.option(
+    "--samples",
+    type=click.IntRange(1, 20),
+    default=3,
+    show_default=True,
+    help="Distinct prompts per length, one request each per engine: a row gives their "
+    "medians (one request on a busy host varies by a third).",
+)
+@click.option(
     "--connectors",
     default="kvpool,mooncake",
     show_default=True,
@@ -180,6 +194,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 def bench_vllm(
     shape: str,
     lengths: str,
+    samples: int,
     connectors: str,
     extra: str,
     workdir: Path | None,
@@ -220,6 +235,7 @@ def bench_vllm(
             connectors=names,
             extra=settings,
             on_progress=bars,
+            samples=samples,
         )
     if table_only:
         click.echo(table_rows(engine_bench_table(result)))

@@ -26,9 +26,9 @@ Both forms and their helpers are ``kvpool.store.scatter``'s.
     alloc_staging(nbytes)         a buffer usable in any segment of this store, alive
                                   until ``close`` (required where ``requires_staging``)
     reaches(addr, nbytes)         whether segments there can be moved at all
-    prefault(addr, nbytes)        have the backend touch staging memory now, so the
-                                  first transfers through it run as fast as later
-                                  ones (default: nothing to do; False)
+    prefault(addr, nbytes)        have the backend touch its memory now, reading only,
+                                  so the first transfers through it run as fast as
+                                  later ones (default: nothing to do; False)
     health()                      True while the store can serve requests
     close()                       release everything; idempotent; afterwards every
                                   call reports UNAVAILABLE per key
@@ -275,8 +275,10 @@ class KVStore(abc.ABC):
     def prefault(self, addr: int, nbytes: int) -> bool:
         """Have the backend touch ``[addr, addr + nbytes)`` (memory from
         ``alloc_staging``) before the first transfer through it, where that first
-        transfer would otherwise pay for it; whether it did. Blocks while it works;
-        must not raise. The default does nothing (False)."""
+        transfer would otherwise pay for it; whether it did. It must only read: the
+        memory's bytes stay as they are, so transfers (and the engine) may use it
+        meanwhile. Blocks while it works; must not raise. The default does nothing
+        (False)."""
         return False
 
     def health(self) -> bool:

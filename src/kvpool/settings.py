@@ -74,8 +74,9 @@ class ConnectorSettings:
         False,
         "Load a hit in the step that computes the rest of the prompt, each layer band "
         "waited for at its first layer (vLLM's wait_for_layer_load): the load overlaps "
-        "the forward; set layer_bands for more than one band. Staged or zero-copy loads "
-        "of models with one KV group; others load asynchronously.",
+        "the forward; set layer_bands for more than one band. Staged or same-host "
+        "zero-copy loads (a frozen holder then stalls the forward) of models with one "
+        "KV group; others load asynchronously.",
     )
     save_decode: bool = documented(False, "Also save chunks completed during decode.")
     tenant: str = documented(

@@ -196,6 +196,8 @@ def test_samples_collapse_to_medians_and_one_sample_without_hits_makes_no_hits()
     assert got.verdict(got.runs[0], 1) == "no hits" and got.vs_local(got.runs[0], 1) is None
     assert "3 prompts of each length" in engine_bench_legend(got)
     assert "one prompt at a time" in engine_bench_legend(collapse(bench, 1, (0.1,) * 6))
+    with pytest.raises(ValueError, match="not 2 consecutive prompts per length"):
+        collapse(bench, 2, (0.1,) * 3)  # 1000, 1000 | 1000, 4000 | 4000, 4000
 
 
 def test_copy_seconds_times_a_real_copy() -> None:

@@ -565,6 +565,7 @@ def test_load_by_layer_loads_in_the_computing_step_and_saves_the_rest_after(
     "settings, groups",
     [
         ({"load_mode": "direct"}, ["gqa:2"]),
+        ({"load_mode": "direct", "zero_copy": True}, ["gqa:2"]),
         ({}, ["gqa:2", "gqa:2:w64"]),
         ({"zero_copy": True}, ["gqa:2", "gqa:2:w64"]),
     ],

@@ -809,6 +809,42 @@ def test_a_slow_prefault_holds_nothing_up() -> None:
     e.close()
 
 
+def test_a_zero_copy_engine_prefaults_each_kv_allocation_once_and_a_staged_one_its_staging() -> (
+    None
+):
+    """What ``prefault`` touches: a staged engine its staging; a zero-copy engine
+    (no staging) each distinct KV allocation once, whole, however many layers
+    share it; an engine built without ``prefault`` nothing."""
+    from kvpool.placement import place_kv
+
+    class Recording(_StagingOnly):
+        def __init__(self) -> None:
+            super().__init__(capacity=1 << 28)
+            self.calls: list[tuple[int, int]] = []
+
+        def prefault(self, addr: int, nbytes: int) -> bool:
+            self.calls.append((addr, nbytes))
+            return True
+
+    store = Recording()
+    staged = engine(store, cpu_layers(2), prefault=True)
+    assert staged.prefaulted.wait(10)
+    assert store.calls == [(store._staging[-1].ctypes.data, 64 << 20)]
+    staged.close()
+    store.calls.clear()
+    src = flash_layers(3)  # a tensor per layer: three allocations
+    place_kv([src], store.alloc_staging)
+    zero = engine(store, src, zero_copy=True, prefault=True)
+    assert zero.prefaulted.wait(10)
+    want = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for _, t in src}
+    assert len(want) == 3 and sorted(store.calls) == sorted(want)
+    zero.close()
+    store.calls.clear()
+    quiet = engine(store, src, zero_copy=True)
+    assert quiet.prefaulted.is_set() and store.calls == []
+    quiet.close()
+
+
 def test_staging_smaller_than_one_chunk_object_is_a_config_error(store: KVStore) -> None:
     from kvpool.errors import ConfigError
 

@@ -194,6 +194,34 @@ def test_zero_copy_stays_off_for_kv_groups_that_free_blocks_of_running_requests(
     worker.close()
 
 
+def test_with_load_by_layer_zero_copy_stays_off_unless_the_store_is_this_hosts_holder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Loads by layer are waited for inside the forward. Zero copy over a store that
+    reaches any memory (TCP, RDMA: another host's holder) would be a direct get with
+    no deadline there, so it stays off and loads are staged, said. Through a store
+    that moves bytes only via its own memory (this host's holder), it stays on."""
+
+    class Holder(MemoryStore):
+        @property
+        def requires_staging(self) -> bool:
+            return True
+
+    kv = SimpleNamespace(num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])])
+    settings = ConnectorSettings(zero_copy=True, load_by_layer=True)
+    remote = MemoryStore(capacity=1 << 28)
+    worker = Worker(identity(), 0, settings, PoolConfig(), kv, lambda _: remote)
+    worker.register(kv_caches())
+    assert worker.engine is not None and not worker.engine.zero_copy
+    assert worker.engine.load_mode == "staged" and "loads are staged" in caplog.text
+    worker.close()
+    local = Holder(capacity=1 << 28)
+    worker = Worker(identity(), 0, settings, PoolConfig(), kv, lambda _: local)
+    worker.register(kv_caches())
+    assert worker.engine is not None and worker.engine.zero_copy  # the control
+    worker.close()
+
+
 def test_interval_stats_report_each_change_once_and_idle_steps_build_nothing() -> None:
     store = MemoryStore(capacity=1 << 30)
     kv_config = SimpleNamespace(

@@ -3,7 +3,7 @@
     run_engine_bench(workdir, shape=..., lengths=(1000, 4000), ...) -> EngineBench
 
 One random model with a real model's KV shape (``kvpool.demo.shapes``), one
-pool, one prompt per length (distinct random tokens). A *baseline* engine with
+pool, one prompt per length (``samples`` of them: distinct random tokens). A *baseline* engine with
 no connector runs each prompt twice: a full prefill, then a local prefix-cache
 hit (what the best possible load would leave to compute). For each connector a
 *cold* engine saves and stays up, stepping, until its saves are in the pool (a
@@ -331,7 +331,8 @@ def run_engine_bench(
         raise ValueError(f"samples must be >= 1, got {samples}")
     progress = on_progress or (lambda *_: None)
     workdir.mkdir(parents=True, exist_ok=True)
-    asked, lengths = tuple(lengths), [n for n in lengths for _ in range(samples)]
+    asked = tuple(lengths)
+    lengths = [n for n in asked for _ in range(samples)]
     longest = max(lengths)
     max_len = longest + 2 * MAX_TOKENS + BLOCK
     model = build_shaped_llama(workdir / "model", shape, TINY_HIDDEN, max_len)
@@ -453,7 +454,10 @@ def collapse(bench: EngineBench, samples: int, copies: tuple[float, ...]) -> Eng
     def med(xs: Sequence[float], i: int) -> float:
         return float(statistics.median(xs[i * samples : (i + 1) * samples]))
 
-    n = len(bench.lengths) // samples
+    n, left = divmod(len(bench.lengths), samples)
+    groups = {bench.lengths[i * samples : (i + 1) * samples] for i in range(n)}
+    if left or len(copies) != n or any(len(set(g)) != 1 for g in groups):
+        raise ValueError(f"{bench.lengths}: not {samples} consecutive prompts per length")
     runs = []
     for run in bench.runs:
         rows = []

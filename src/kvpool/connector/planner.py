@@ -205,18 +205,16 @@ class Planner:
         self._finishing: set[str] = set()  # finished, blocks kept: for the next step
         self._loading: set[str] = set()  # loads sent, not yet reported finished
         # Loads inside the step that computes the rest (vLLM's sync load): asked for,
-        # staged or zero copy (a direct get into the KV cache from another host cannot
-        # be given up at a deadline), and one KV group (vLLM maps a sync load's failed
-        # blocks back to requests only then).
+        # not direct (a direct get from another host cannot be given up at a deadline;
+        # the worker keeps zero copy only for its own host's holder then), and one KV
+        # group (vLLM maps a sync load's failed blocks back to requests only then).
         self.by_layer = (
-            settings.load_by_layer
-            and (settings.zero_copy or settings.load_mode != "direct")
-            and len(layout.groups) == 1
+            settings.load_by_layer and settings.load_mode != "direct" and len(layout.groups) == 1
         )
         if settings.load_by_layer and not self.by_layer:
             logger.warning(
-                "kvpool: load_by_layer needs staged or zero-copy loads (load_mode not "
-                "direct) and a model with one KV group; loads stay asynchronous"
+                "kvpool: load_by_layer needs load_mode auto or staged (staged or same-host "
+                "zero-copy loads) and a model with one KV group; loads stay asynchronous"
             )
 
     # -- lookups ---------------------------------------------------------------

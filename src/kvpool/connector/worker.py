@@ -227,6 +227,12 @@ class Worker:
                 odd.kind.name.lower() + (f" (window {odd.window})" if odd.window else ""),
             )
             return False
+        if not store.requires_staging and self.settings.load_by_layer:
+            logger.warning(
+                "kvpool: zero_copy off: with load_by_layer the forward waits for each load, "
+                "and a direct get from another host has no deadline; loads are staged"
+            )
+            return False
         if not store.requires_staging or store is self._kv_home:
             return True
         if self._kv_home is not None:  # placed in a retired store's memory

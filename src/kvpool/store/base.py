@@ -277,8 +277,9 @@ class KVStore(abc.ABC):
         ``alloc_staging``) before the first transfer through it, where that first
         transfer would otherwise pay for it; whether it did. It must only read: the
         memory's bytes stay as they are, so transfers (and the engine) may use it
-        meanwhile. Blocks while it works; must not raise. The default does nothing
-        (False)."""
+        meanwhile. Blocks while it works; must not raise; ``close`` may be called
+        meanwhile (from another thread), and it then returns soon. The default does
+        nothing (False)."""
         return False
 
     def health(self) -> bool:

@@ -89,10 +89,10 @@ TCP_MERGE_BYTES = 64 << 10
 SHM_MERGE_BYTES = 8 << 10
 HEAD_BATCH = 512  # objects whose first bytes one read_heads call reads
 # prefault: the holder reads this many bytes every stride (Linux maps the 16 pages
-# around a read fault at once), 16384 touches (1 GiB) per transient object.
+# around a read fault at once), 16000 touches (1000 MiB) per transient object.
 PREFAULT_STRIDE = 64 << 10
 PREFAULT_TOUCH = 64
-PREFAULT_BATCH = 16384
+PREFAULT_BATCH = 16000
 PREFAULT_PREFIX = "kvpool-prefault/"  # its key: never a kvpool key (status: "other")
 
 
@@ -384,10 +384,15 @@ class MooncakeStore(KVStore):
         (False)."""
         if not self.shared_memory or nbytes < PREFAULT_STRIDE:
             return False
-        touches = [addr + off for off in range(0, nbytes, PREFAULT_STRIDE)]
-        for i in range(0, len(touches), PREFAULT_BATCH):
+        # Every stride and the buffer's last bytes (its tail window), never past it.
+        offsets = range(0, nbytes - PREFAULT_TOUCH + 1, PREFAULT_STRIDE)
+        tail = nbytes - PREFAULT_TOUCH
+        for i in range(0, len(offsets), PREFAULT_BATCH):
+            touches = [addr + off for off in offsets[i : i + PREFAULT_BATCH]]
+            if i + PREFAULT_BATCH >= len(offsets) and offsets[-1] != tail:
+                touches.append(addr + tail)
             key = f"{PREFAULT_PREFIX}{uuid.uuid4().hex}"  # a put of a key left over reads nothing
-            segments = [[(a, PREFAULT_TOUCH) for a in touches[i : i + PREFAULT_BATCH]]]
+            segments = [[(a, PREFAULT_TOUCH) for a in touches]]
             with self._using() as store, self._transfer_lock:
                 if store is None:
                     return False

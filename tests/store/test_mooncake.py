@@ -281,3 +281,20 @@ def test_a_prefault_maps_memory_in_the_holder_reading_only_and_leaves_nothing_be
         assert sorted(master_keys(local_pool.metrics_url)) == [c.key for c in chunks]
         # the engine's prefault: one transient put, then the 4 chunks
         assert completed_puts(master_metrics(local_pool.metrics_url)) - puts == 1 + 4
+
+
+def test_a_quota_tenants_client_prefaults_256_mib_and_puts_after(
+    pool_factory: Callable[..., LocalPool],
+) -> None:
+    """A quota tenant's holder refuses a put of over 2048 segments (a prefault of
+    256 MiB in one put failed, and that tenant's engines then saved nothing in
+    CI): prefault puts go 1000 touches at a time, and the client's puts after it
+    land."""
+    pool = pool_factory(segment_size=96 * MiB, quotas={"A": 32 * MiB, "B": 32 * MiB})
+    with MooncakeStore(pool.config().for_tenant("A"), shared_memory=True) as shm:
+        assert shm.shared_memory
+        buf = shm.alloc_staging(256 * MiB)
+        assert shm.prefault(buf.ctypes.data, buf.nbytes)
+        src = shm.alloc_staging(MiB)
+        src[:] = rand(MiB, 3)
+        assert shm.batch_put(["after"], [seg(src)]) == [Status.OK]

@@ -784,10 +784,14 @@ class _SlowPrefault(_StagingOnly):
         return self.done.wait(30)
 
 
-def test_a_slow_prefault_holds_nothing_up() -> None:
-    """A prefault only reads (``KVStore.prefault``), so it runs on its own thread
-    while saves and loads go on through staging; ``prefaulted`` is set when it
-    ended. (It used to hold all of staging: saves were refused until it ended.)"""
+def test_a_slow_prefault_holds_nothing_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefault only reads (``KVStore.prefault``), so one longer than construction
+    waits for goes on on its own thread while saves and loads go on through
+    staging; ``prefaulted`` is set when it ended. (It used to hold all of staging:
+    saves were refused until it ended.)"""
+    from kvpool.transfer import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFAULT_WAIT_S", 0.05)
     store = _SlowPrefault()
     src = cpu_layers(2)
     randomize(src, 35)

@@ -24,9 +24,9 @@
 
 With ``prefault`` (the connector's workers), a store that moves bytes through its
 own memory (Mooncake's shared memory) touches all of it, staging and a zero-copy KV
-cache, on a background thread at start (``KVStore.prefault``, reads only;
-``prefaulted`` is set when it ended): a fresh engine's first loads run at full
-speed.
+cache, at start (``KVStore.prefault``, reads only; construction waits up to
+``PREFAULT_WAIT_S``, then it goes on in the background; ``prefaulted`` is set when
+it ended): a fresh engine's first loads run at full speed.
 
 Any job size moves through bounded staging (``pieces``): staging is split between
 saves and staged loads, each piece reserves only its own bytes and releases them
@@ -102,6 +102,10 @@ PIECE_BYTES = 16 << 20  # Mooncake pays ~0.4 ms per batch call: pieces stay larg
 # A staged load's piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB (fewer
 # batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
 LOAD_PIECE_BYTES = 32 << 20
+# What construction waits for the prefault (~60 ms a GiB of staging and zero-copy KV
+# cache on a quiet host): an engine is ready with it done, so a holder lost after
+# that never stalls a prefault put ahead of the loads. Longer, it goes on meanwhile.
+PREFAULT_WAIT_S = 10.0
 
 
 class TransferEngine:
@@ -229,9 +233,10 @@ class TransferEngine:
 
     def _prefault(self, store: KVStore, spans: list[tuple[int, int]]) -> None:
         """Have the store touch ``spans`` (staging; the KV tensors with zero copy) on
-        a background thread (``KVStore.prefault``, which only reads): transfers go
-        on meanwhile, and one that meets a page not touched yet only pays for its
-        fault. ``prefaulted`` is set when it ended."""
+        a thread (``KVStore.prefault``, which only reads), waiting up to
+        ``PREFAULT_WAIT_S`` for it: transfers may go on meanwhile, and one that meets
+        a page not touched yet only pays for its fault. ``prefaulted`` is set when
+        it ended."""
 
         def touch() -> None:
             t0 = time.monotonic()
@@ -246,7 +251,9 @@ class TransferEngine:
                 (time.monotonic() - t0) * 1e3,
             )
 
-        threading.Thread(target=touch, name="kvpool-prefault", daemon=True).start()
+        thread = threading.Thread(target=touch, name="kvpool-prefault", daemon=True)
+        thread.start()
+        thread.join(PREFAULT_WAIT_S)
 
     # -- public --------------------------------------------------------------------
 

@@ -141,6 +141,16 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     assert "100%" in kv_row and "1.04" in kv_row and "8.0x" in kv_row and " 5.0 " in kv_row
     assert "no hits" in mc_row and "x" not in mc_row.split()[-2:] and "0%" in mc_row
     assert "128 KiB of KV per token" in text
+    # the floor row: the local hit (0.5 s) plus one copy of a full hit's bytes (0.1 s)
+    assert result.one_copy_s(0) == pytest.approx(0.6)
+    assert result.copy_gbps(0) == pytest.approx(full / 0.1 / 1e9)
+    floor_row = next(line for line in text.splitlines() if line.startswith("one copy"))
+    assert floor_row.split()[2:] == [
+        "4000", "8000", "500", "-", "600", "1.20", "-", f"{full / 0.1 / 1e9:.2f}", "1.0", "-", "-"
+    ]  # fmt: skip
+    no_copy = EngineBench(SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,), (hit,))
+    assert no_copy.one_copy_s(0) is None and no_copy.copy_gbps(0) is None
+    assert "one copy" in engine_bench_legend(result)
     assert "32 layers, 8 KV heads x 128, bfloat16" in engine_bench_legend(result)
     assert result.vs_local(hit, 0) == pytest.approx(2.0) and result.vs_local(miss, 0) is None
     # the widest cells a run prints still fit an 80-column terminal, nothing cut

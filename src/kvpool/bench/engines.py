@@ -171,6 +171,18 @@ class EngineBench:
         full = _hittable(run.rows[i].tokens) * self.shape.kv_bytes_per_token
         return load[1] / (self.copy_s[i] * load[0] / full)
 
+    def one_copy_s(self, i: int) -> float | None:
+        """The fastest TTFT a load that does not overlap the forward could give at
+        length ``i``: the local hit plus one memory copy of a full hit's bytes, both
+        measured in this run; None without a copy time."""
+        return self.local_hit_s[i] + self.copy_s[i] if self.copy_s else None
+
+    def copy_gbps(self, i: int) -> float | None:
+        """The rate of that one memory copy."""
+        if not self.copy_s or self.copy_s[i] <= 0:
+            return None
+        return _hittable(self.lengths[i]) * self.shape.kv_bytes_per_token / self.copy_s[i] / 1e9
+
     def vs_local(self, run: ConnectorRun, i: int) -> float | None:
         """Warm TTFT over the local prefix-cache hit's (a load's whole cost); None
         without hits."""

@@ -27,6 +27,9 @@ from kvpool.settings import parse_extra
 
 __all__ = ["connectors_or_fail", "engine_bench_chart", "engine_bench_table", "shape_or_fail"]
 
+# The row of no connector: a local hit plus one memory copy of a full hit's bytes.
+ONE_COPY = "one copy"
+
 # Settings that would point the engines away from the bench's private pool.
 _BENCH_OWNS = frozenset({"pool_file", "master_address", "holder_address", "metrics_url"})
 
@@ -72,6 +75,25 @@ def engine_bench_table(result: EngineBench) -> Table:
                 result.verdict(run, i),
                 "yes" if row.identical else "no",
             )
+    for i, n in enumerate(result.lengths):  # the floor no connector's row is part of
+        if (floor := result.one_copy_s(i)) is None:
+            continue
+        gbps = result.copy_gbps(i)
+        local = result.local_hit_s[i]
+        t.add_row(
+            ONE_COPY,
+            str(n),
+            f"{result.prefill_s[i] * 1000:.0f}",
+            f"{local * 1000:.0f}",
+            "-",
+            f"{floor * 1000:.0f}",
+            f"{floor / local:.2f}" if local else "-",
+            "-",
+            f"{gbps:.2f}" if gbps is not None else "-",
+            "1.0",
+            "-",
+            "-",
+        )
     stored = "; ".join(
         f"{r.name} stored {r.keys_stored} keys, {r.bytes_stored / 2**20:.1f} MiB"
         for r in result.runs
@@ -120,7 +142,10 @@ def engine_bench_legend(result: EngineBench) -> str:
         "own time; others: hit bytes over warm - local); xcopy: the load's time over one "
         "memory copy of the same bytes; speedup: prefill / warm (lost N: N objects of the "
         "cold engine's saves never landed in the pool, no speed-up claimed); same: warm "
-        "output = the baseline run that computed the same tokens."
+        "output = the baseline run that computed the same tokens. one copy: no connector, "
+        "the local hit plus one memory copy of a full hit's bytes, both measured in this "
+        "run (GB/s: the copy's rate): the fastest a load that does not overlap the "
+        "forward could be on this host."
     )
 
 

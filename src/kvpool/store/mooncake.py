@@ -380,12 +380,11 @@ class MooncakeStore(KVStore):
         pages first does not help, the faults are the holder's). Here the holder
         reads ``PREFAULT_TOUCH`` bytes every ``PREFAULT_STRIDE`` (transient objects
         under ``PREFAULT_PREFIX``, each put from ``PREFAULT_BATCH`` touches, then
-        removed): a
-        read fault maps the 16 pages around it at once (Linux's fault-around, 64
-        KiB), writable, as shared memory is not write-tracked. Measured, 1 GiB: 56
-        ms, then a first get of 164 ms. It only reads: the memory's bytes stay as
-        they are, so it may run while the memory is in use. Over TCP: nothing to do
-        (False)."""
+        removed): a read fault maps the 16 pages around it at once (Linux's
+        fault-around, 64 KiB), writable, as shared memory is not write-tracked.
+        Measured, 1 GiB: 56 ms, then a first get of 164 ms. It only reads: the
+        memory's bytes stay as they are, so it may run while the memory is in use.
+        Over TCP: nothing to do (False)."""
         if not self.shared_memory or nbytes < PREFAULT_STRIDE:
             return False
         # Every stride and the buffer's last bytes (its tail window), never past it.

@@ -460,6 +460,11 @@ def test_a_rank_holding_two_kv_heads_writes_an_object_per_head_that_tp2_ranks_re
     tp1 = worker(1, 0, one)
     save(tp1, [3, 4])
     assert len(store._objects) == 2 * 2  # chunks x heads
+    # the worker's keys (templates and hashes' hex) are KeySpace.key's, one per head
+    space = identity(1, 2).space
+    heads = identity(1, 2).layout.contents(0)
+    want = {space.key(c, bytes([i + 1]) * 8) for c in heads for i in range(2)}
+    assert set(store._objects) == want and len({c.head for c in heads}) == 2
     halves = [kv_caches(heads=1) for _ in range(2)]
     for rank, caches in enumerate(halves):
         w = worker(2, rank, caches)

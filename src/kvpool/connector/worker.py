@@ -137,6 +137,9 @@ class Worker:
         # Per local group: (shard, engine group index) for each shard this rank holds
         # (one per local KV head; the engine describes each head's view of the tensors).
         self._shards: dict[int, list[tuple[ContentId, int]]] = {}
+        # The same per local group with each shard's key template (``KeySpace.template``:
+        # its keys are the template and a chunk hash's hex), built once.
+        self._shard_keys: dict[int, list[tuple[ContentId, int, str]]] = {}
         # zero_copy: the store whose memory holds the KV cache (kept open until
         # close: the KV tensors live there), and results taken early by
         # ``flush_saves`` for the next ``finished``.
@@ -208,6 +211,11 @@ class Worker:
         """This rank's shards' views (``connector.shards``); fills ``_shards``."""
         local = {g: self._groups[i] for g, i in self._local.items()}
         views, self._shards = shard_views(self.identity.layout, self.rank, local, self._layer_index)
+        space = self.identity.space
+        self._shard_keys = {
+            g: [(content, i, space.template(content)) for content, i in pairs]
+            for g, pairs in self._shards.items()
+        }
         for pairs in self._shards.values():
             for content, i in pairs:
                 self._band_of_group[i] = content.band
@@ -324,19 +332,23 @@ class Worker:
     # -- per step ------------------------------------------------------------------
 
     def _refs(self, ops: RequestOps, writing: bool) -> list[tuple[ChunkRef, bytes]]:
-        """This rank's chunk objects of ``ops`` (only those it writes, when writing)."""
-        layout, space = self.identity.layout, self.identity.space
+        """This rank's chunk objects of ``ops`` (only those it writes, when writing).
+        Keys are ``KeySpace.key``'s, built from each shard's template and the chunk
+        hash's hex once per chunk (a warm request builds them for every object it
+        loads, then again for its save plan)."""
+        layout, rank, pin_ms = self.identity.layout, self.rank, ops.pin_ms
         refs = []
         for c in ops.chunks:
-            for g, shards in self._shards.items():
-                if NULL_BLOCK in c.block_ids[g]:  # a window's dropped block: no bytes
+            h, chunk_hash, chunk = c.chunk_hash.hex(), c.chunk_hash, c.chunk
+            for g, shards in self._shard_keys.items():
+                blocks = c.block_ids[g]
+                if NULL_BLOCK in blocks:  # a window's dropped block: no bytes
                     continue
-                for content, engine_group in shards:
-                    if writing and not layout.writes(self.rank, content, c.chunk):
+                for content, engine_group, template in shards:
+                    if writing and not layout.writes(rank, content, chunk):
                         continue
-                    key = space.key(content, c.chunk_hash)
-                    ref = ChunkRef(key, engine_group, c.chunk, c.block_ids[g], ops.pin_ms)
-                    refs.append((ref, c.chunk_hash))
+                    ref = ChunkRef(template + h, engine_group, chunk, blocks, pin_ms)
+                    refs.append((ref, chunk_hash))
         return refs
 
     def _requests_ended(self, meta: StepPlan) -> None:

@@ -682,7 +682,7 @@ def test_a_failed_load_by_layer_reports_its_blocks_for_recompute_not_a_finished_
     saver.start_saves(StepPlan(saves=[ops("s", [3, 4])]))
     assert saver.engine is not None
     assert all(r.ok for r in saver.engine.wait(saver._book.jobs, timeout=10))
-    band1 = next(c for c, _ in loader._shards[0] if c.band == 1)
+    band1 = next(c for c, *_ in loader._shards[0] if c.band == 1)
     gone = loader.identity.space.key(band1, bytes([2]) * 8)
     assert store.batch_remove([gone], force=True)[0].ok
     loader.start_loads(StepPlan(loads=[by_layer("l", [9, 10])]))

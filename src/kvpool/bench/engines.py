@@ -168,8 +168,11 @@ class EngineBench:
         load = self._load(run, i)
         if load is None or not self.copy_s:
             return None
-        full = _hittable(run.rows[i].tokens) * self.shape.kv_bytes_per_token
-        return load[1] / (self.copy_s[i] * load[0] / full)
+        return load[1] / (self.copy_s[i] * load[0] / self._full_hit_bytes(i))
+
+    def _full_hit_bytes(self, i: int) -> int:
+        """The KV bytes of every whole chunk a prompt of length ``i`` may hit."""
+        return _hittable(self.lengths[i]) * self.shape.kv_bytes_per_token
 
     def one_copy_s(self, i: int) -> float | None:
         """The fastest TTFT a load that does not overlap the forward could give at
@@ -181,7 +184,7 @@ class EngineBench:
         """The rate of that one memory copy."""
         if not self.copy_s or self.copy_s[i] <= 0:
             return None
-        return _hittable(self.lengths[i]) * self.shape.kv_bytes_per_token / self.copy_s[i] / 1e9
+        return self._full_hit_bytes(i) / self.copy_s[i] / 1e9
 
     def vs_local(self, run: ConnectorRun, i: int) -> float | None:
         """Warm TTFT over the local prefix-cache hit's (a load's whole cost); None

@@ -75,7 +75,7 @@ def engine_bench_table(result: EngineBench) -> Table:
                 result.verdict(run, i),
                 "yes" if row.identical else "no",
             )
-    for i, n in enumerate(result.lengths):  # the floor no connector's row is part of
+    for i, n in enumerate(result.lengths):  # no connector: the local hit plus one copy
         if (floor := result.one_copy_s(i)) is None:
             continue
         gbps = result.copy_gbps(i)

@@ -134,12 +134,10 @@ class Worker:
         self._last_version = -1  # of the engine that _last_stats came from
         self._retired = TransferStats()  # counters of replaced engines
         self._groups: list[list[tuple[str, torch.Tensor]]] = []
-        # Per local group: (shard, engine group index) for each shard this rank holds
-        # (one per local KV head; the engine describes each head's view of the tensors).
-        self._shards: dict[int, list[tuple[ContentId, int]]] = {}
-        # The same per local group with each shard's key template (``KeySpace.template``:
-        # its keys are the template and a chunk hash's hex), built once.
-        self._shard_keys: dict[int, list[tuple[ContentId, int, str]]] = {}
+        # Per local group: (shard, engine group index, key template) for each shard this
+        # rank holds (one per local KV head; the engine describes each head's view of
+        # the tensors; a key is the template and a chunk hash's hex, ``KeySpace.template``).
+        self._shards: dict[int, list[tuple[ContentId, int, str]]] = {}
         # zero_copy: the store whose memory holds the KV cache (kept open until
         # close: the KV tensors live there), and results taken early by
         # ``flush_saves`` for the next ``finished``.
@@ -210,13 +208,13 @@ class Worker:
     def _shard_views(self) -> list[list[tuple[str, torch.Tensor]]]:
         """This rank's shards' views (``connector.shards``); fills ``_shards``."""
         local = {g: self._groups[i] for g, i in self._local.items()}
-        views, self._shards = shard_views(self.identity.layout, self.rank, local, self._layer_index)
+        views, shards = shard_views(self.identity.layout, self.rank, local, self._layer_index)
         space = self.identity.space
-        self._shard_keys = {
+        self._shards = {
             g: [(content, i, space.template(content)) for content, i in pairs]
-            for g, pairs in self._shards.items()
+            for g, pairs in shards.items()
         }
-        for pairs in self._shards.values():
+        for pairs in shards.values():
             for content, i in pairs:
                 self._band_of_group[i] = content.band
                 self._band_of_layer.update((name, content.band) for name, _ in views[i])
@@ -340,7 +338,7 @@ class Worker:
         refs = []
         for c in ops.chunks:
             h, chunk_hash, chunk = c.chunk_hash.hex(), c.chunk_hash, c.chunk
-            for g, shards in self._shard_keys.items():
+            for g, shards in self._shards.items():
                 blocks = c.block_ids[g]
                 if NULL_BLOCK in blocks:  # a window's dropped block: no bytes
                     continue

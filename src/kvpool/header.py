@@ -437,6 +437,15 @@ class HeaderTable:
             )
         return out
 
+    def checksums(self, rows: Sequence[int]) -> list[int | None]:
+        """Per row, the payload checksum its header carries (None: it carries none)."""
+        get, view, stride = _STRUCT.unpack_from, self._view, self._stride
+        out: list[int | None] = []
+        for row in rows:
+            fields = get(view, row * stride)
+            out.append(fields[6] if fields[2] & FLAG_CHECKSUM else None)
+        return out
+
     def sign_rows(
         self,
         rows: Sequence[int],

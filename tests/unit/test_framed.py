@@ -374,3 +374,62 @@ def test_a_signed_object_copied_to_another_key_or_altered_is_forged(inner: Memor
 def test_an_empty_secret_is_refused(inner: MemoryStore) -> None:
     with pytest.raises(ValueError, match="secret"):
         FramedStore(inner, FP, secret=b"")
+
+
+def test_a_deferred_get_checks_all_but_the_checksum_and_leaves_that_to_its_check(
+    inner: MemoryStore, framed: FramedStore
+) -> None:
+    """``batch_get_deferred``: header damage, a missing object and an object without
+    checksum answer at once, as ``batch_get`` does; a damaged payload reads OK until
+    the returned check runs, which names it (by its index in the call) and counts it."""
+    a, b, c = buf(3000, 11), buf(3000, 12), buf(3000, 13)
+    framed.batch_put(["a", "b", "c", "hdr"], [split(a), split(b), split(c), split(a)])
+    FramedStore(inner, FP, checksum=False).batch_put(["plain"], [split(a)])
+    inner.tamper("c", HEADER_SIZE + 2999)  # the payload's last byte
+    inner.tamper("hdr", 20)  # the key digest
+    keys = ["gone", "a", "c", "hdr", "plain", "b"]
+    outs = [np.zeros(3000, np.uint8) for _ in keys]
+    statuses, check = framed.batch_get_deferred(keys, [split(o, 1000) for o in outs])
+    assert statuses == [
+        Status.MISSING,
+        Status.OK,
+        Status.OK,  # not checked yet
+        Status.CORRUPT,
+        Status.MISMATCH,
+        Status.OK,
+    ]
+    assert framed.corrupt_counts == {CheckFailure.KEY: 1, CheckFailure.NO_CHECKSUM: 1}
+    assert check is not None
+    assert check.failed() == [2]
+    assert framed.corrupt_counts[CheckFailure.CHECKSUM] == 1
+    assert np.array_equal(outs[1], a) and np.array_equal(outs[5], b)
+
+
+def test_a_deferred_get_of_sound_objects_leaves_a_check_that_passes(framed: FramedStore) -> None:
+    objs = [buf(70_000 + i, i) for i in range(5)]  # past one hashing slice
+    keys = [f"k{i}" for i in range(5)]
+    framed.batch_put(keys, [split(o, 5) for o in objs])
+    outs = [np.zeros_like(o) for o in objs]
+    statuses, check = framed.batch_get_deferred(keys, [split(o, 40_000) for o in outs])
+    assert statuses == [Status.OK] * 5 and check is not None
+    assert check.failed() == []
+    assert not framed.corrupt_counts
+    assert all(np.array_equal(o, x) for o, x in zip(objs, outs, strict=True))
+
+
+def test_without_verification_or_with_a_secret_a_deferred_get_checks_everything_itself(
+    inner: MemoryStore,
+) -> None:
+    """Nothing to defer without verification; with a pool secret the signature reads
+    the payload anyway, so the get checks it all (a damaged payload: CORRUPT at once)."""
+    a = buf(500, 4)
+    lax = FramedStore(inner, FP, checksum=False)
+    lax.batch_put(["k"], [split(a)])
+    out = np.zeros_like(a)
+    assert lax.batch_get_deferred(["k"], [split(out)]) == ([Status.OK], None)
+    secret = bytes(range(32))
+    signed = FramedStore(inner, FP, secret=secret)
+    signed.batch_put(["s"], [split(a)])
+    inner.tamper("s", HEADER_SIZE + 7)
+    assert signed.batch_get_deferred(["s"], [split(out)]) == ([Status.CORRUPT], None)
+    assert signed.corrupt_counts == {CheckFailure.CHECKSUM: 1}

@@ -79,3 +79,15 @@ def test_both_halves_of_any_staging_start_aligned(nbytes: int) -> None:
     save, load = pieces.split_staging(nbytes, staged_loads=True)
     assert save % pieces.ALIGN == 0 and load % pieces.ALIGN == 0  # the load half starts at save
     assert save + load <= nbytes and nbytes - (save + load) < 2 * pieces.ALIGN
+
+
+def test_a_small_load_moves_in_about_load_depth_pieces_a_large_one_at_the_budget() -> None:
+    budget, floor, depth = 32 << 20, pieces.MIN_LOAD_PIECE, pieces.LOAD_DEPTH
+    assert pieces.job_budget(62 << 20, budget) == -(-(62 << 20) // depth)  # 8 pieces
+    assert pieces.job_budget(500 << 20, budget) == budget
+    assert pieces.job_budget(10 << 20, budget) == floor  # pieces never below the floor
+    assert pieces.job_budget(10 << 20, 1 << 20) == 1 << 20  # nor above the budget
+    assert pieces.job_budget(0, budget) == floor
+    sizes = [128 << 10] * 496  # the shape, 2,000 tokens
+    spans = pieces.cut(sizes, pieces.job_budget(sum(sizes), budget))
+    assert len(spans) == depth

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tests.factories import key_space, wait_until
 
+from kvpool.header import CheckFailure
 from kvpool.kvcache import block_runs, describe_group
 from kvpool.layout import Layout
 from kvpool.plan import chunk_hashes
@@ -1002,3 +1003,57 @@ def test_a_forged_object_never_reaches_the_kv_cache_and_is_removed() -> None:
     assert wait_until(lambda: "x" not in stored(), timeout=10)
     r.close()
     honest.close()
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_a_payload_damaged_in_a_middle_piece_stops_the_copy_there_and_is_removed(
+    monkeypatch: pytest.MonkeyPatch, behind: bool
+) -> None:
+    """A staged load leaves the checksums to the scatter thread (``batch_get_deferred``)
+    or, when that thread is behind, checks in the load thread: either way a damaged
+    payload reads CORRUPT, nothing of it or after it reaches the KV cache, the chunks
+    before it do, and the object is removed."""
+    from kvpool.store.framed import FramedStore
+    from kvpool.transfer import loads
+
+    inner = MemoryStore(capacity=1 << 28)
+    framed = FramedStore(inner, "00" * 8)
+    chunks = [ChunkRef(f"d{i}", 0, i, (2 * i, 2 * i + 1)) for i in range(8)]
+    piece = 2 * _object_bytes(cpu_layers(2), 2)  # pieces of chunks 0-1, 2-3, 4-5, 6-7
+    src = cpu_layers(2)
+    randomize(src, 17)
+    w = engine(framed, src, piece_bytes=piece)
+    assert w.submit_save("s", chunks) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    inner.tamper("d3", 64 + 1000)  # a payload byte of chunk 3: only the checksum sees it
+    verified = []
+    real = loads.Loads._verify
+
+    def spy(self: loads.Loads, p: Any) -> None:
+        if p.check is not None:
+            verified.append(threading.current_thread().name)
+        real(self, p)
+
+    monkeypatch.setattr(loads.Loads, "_verify", spy)
+    dst = cpu_layers(2)
+    for _, t in dst:
+        t.fill_(-1.0)
+    r = engine(framed, dst, load_piece_bytes=piece, load_mode="staged")
+    # behind: every get finds a piece waiting for the scatter thread, so the load
+    # thread checks; else never (the rule's two branches, made deterministic).
+    monkeypatch.setattr(r._loads.scatter_q, "empty", lambda: not behind)
+    r.submit_load("l", chunks)
+    (res,) = r.wait(["l"], timeout=30)
+    assert res.statuses["d3"] is Status.CORRUPT
+    assert all(res.statuses[f"d{i}"] is Status.OK for i in (0, 1, 2, 4, 5, 6, 7))
+    assert res.invalid_block_ids == frozenset(range(6, 16))
+    for (_, a), (_, b) in zip(src, dst, strict=True):
+        assert torch.equal(a[:6], b[:6])  # chunks 0-2 arrived, across two pieces
+        assert bool((b[6:16] == -1.0).all())  # the damaged chunk and later: untouched
+    assert framed.corrupt_counts == {CheckFailure.CHECKSUM: 1}
+    assert len(verified) == 4  # one check per piece, in the thread the rule picks
+    assert {name.split("-")[-1] for name in verified} == ({"load"} if behind else {"scatter"})
+    stored = inner.keys  # a listing takes no lease
+    assert wait_until(lambda: "d3" not in stored(), timeout=10)  # removed once unleased
+    r.close()
+    framed.close()

@@ -19,6 +19,11 @@ Both forms and their helpers are ``kvpool.store.scatter``'s.
     batch_get(keys, segments)     fill the caller's segments; OK only when the
                                   object's size equals the segments' total;
                                   MISSING when absent or evicted
+    batch_get_deferred(keys, segments)  ``batch_get``, where a store that verifies
+                                  payloads (``FramedStore``) may leave that check
+                                  to the ``DeferredCheck`` it returns: an OK
+                                  payload is trusted only once the caller has run
+                                  it (default: ``batch_get``, nothing left)
     batch_remove(keys, force)     OK, MISSING, or LEASED while a read lease runs
                                   (``force`` skips the lease)
     register_memory(addr, size)   make a region usable for zero-copy transfers
@@ -70,7 +75,7 @@ import numpy.typing as npt
 from kvpool.errors import StoreUnavailable
 from kvpool.store.scatter import Scatter, Segments, malformed_segments, take
 
-__all__ = ["KVStore", "Status"]
+__all__ = ["DeferredCheck", "KVStore", "Status"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +148,16 @@ def _report(reason: str) -> None:
     first = kind not in _reported
     _reported.add(kind)
     (logger.warning if first else logger.debug)("kvpool: INVALID store request: %s", reason)
+
+
+class DeferredCheck(abc.ABC):
+    """The payload check a ``batch_get_deferred`` left to its caller, over the
+    segments that call filled (untouched until it has run)."""
+
+    @abc.abstractmethod
+    def failed(self) -> list[int]:
+        """Indices (into the get's keys) of the OK objects whose payload fails the
+        check: read them CORRUPT. The store counts and logs them as its own."""
 
 
 class KVStore(abc.ABC):
@@ -229,6 +244,14 @@ class KVStore(abc.ABC):
         a successful read grants a lease.
         """
         return self._run(keys, segments, self._problems(keys, segments), self._get)
+
+    def batch_get_deferred(
+        self, keys: Sequence[str], segments: Sequence[Segments]
+    ) -> tuple[list[Status], DeferredCheck | None]:
+        """``batch_get``, leaving the payload check (where this store makes one) to
+        the returned ``DeferredCheck``: until its ``failed()`` has run, an OK says
+        only that the bytes arrived. None: every check was made (the default)."""
+        return self.batch_get(keys, segments), None
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[Status]:
         """OK, MISSING, or LEASED while a read lease runs (unless ``force``)."""

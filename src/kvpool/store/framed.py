@@ -49,7 +49,7 @@ from kvpool.header import (
     fingerprint_bytes,
     unpack,
 )
-from kvpool.store.base import KVStore, Status
+from kvpool.store.base import DeferredCheck, KVStore, Status
 from kvpool.store.scatter import Scatter, Segments, take, totals
 
 __all__ = ["FramedStore"]
@@ -204,7 +204,31 @@ class FramedStore(KVStore):
         finally:
             self._release(slots)
 
-    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+    def batch_get_deferred(
+        self, keys: Sequence[str], segments: Sequence[Segments]
+    ) -> tuple[list[Status], DeferredCheck | None]:
+        if not self.verify or self._secret is not None:  # a signature reads the payload
+            return self.batch_get(keys, segments), None
+        carried: dict[str, int] = {}
+        out = self._run(
+            keys,
+            segments,
+            self._problems(keys, segments),
+            lambda ks, ss: self._get(ks, ss, carried),
+        )
+        got = [i for i, status in enumerate(out) if status is Status.OK]
+        payloads = segments if len(got) == len(keys) else take(segments, got)
+        expected = [carried[keys[i]] for i in got]
+        return out, _PayloadCheck(self, [keys[i] for i in got], payloads, expected, got)
+
+    def _get(
+        self,
+        keys: Sequence[str],
+        segments: Sequence[Segments],
+        deferred: dict[str, int] | None = None,
+    ) -> list[Status]:
+        """Get and check; with ``deferred``, every check but the payload checksum,
+        whose expected value goes into ``deferred`` per OK key."""
         slots = self._acquire(len(keys))
         try:
             out = self._inner(self.inner._get, keys, self._frames(slots, segments))
@@ -221,12 +245,20 @@ class FramedStore(KVStore):
                 rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
             if self.inline_bytes:
                 self._copy_out(rows, payloads)
-            sums = batch_checksums(payloads) if self.verify else None
+            sums = batch_checksums(payloads) if self.verify and deferred is None else None
             sigs = None
             if self._secret is not None:
                 sigs = self._table.signatures(rows, got_keys, payloads, self._secret)
             lengths = totals(payloads)
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums, sigs)
+            if deferred is not None:  # the header must carry a checksum, checked later
+                carried = self._table.checksums(rows)
+                sums = [0 if cs is None else cs for cs in carried]  # None: NO_CHECKSUM
+                for j, cs in enumerate(carried):
+                    if cs is None:
+                        valid[j] = False
+                    elif valid[j]:
+                        deferred[got_keys[j]] = cs
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
                 checksum = sums[j] if sums is not None else None
@@ -334,3 +366,28 @@ class FramedStore(KVStore):
         with self._cond:
             self._free.extend(slots)
             self._cond.notify_all()
+
+
+class _PayloadCheck(DeferredCheck):
+    """The checksums a ``FramedStore.batch_get_deferred`` left to its caller."""
+
+    def __init__(
+        self,
+        store: FramedStore,
+        keys: list[str],
+        payloads: Sequence[Segments],
+        expected: list[int],
+        index: list[int],
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._payloads = payloads
+        self._expected = expected
+        self._index = index  # position of each in the get's keys
+
+    def failed(self) -> list[int]:
+        sums = batch_checksums(self._payloads)
+        bad = [j for j, (a, b) in enumerate(zip(sums, self._expected, strict=True)) if a != b]
+        for j in bad:
+            self._store._reject(self._keys[j], CheckFailure.CHECKSUM)
+        return [self._index[j] for j in bad]

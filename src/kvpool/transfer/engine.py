@@ -30,7 +30,10 @@ it ended): a fresh engine's first loads run at full speed.
 
 Any job size moves through bounded staging (``pieces``): staging is split between
 saves and staged loads, each piece reserves only its own bytes and releases them
-when its put (or its copy into the KV tensors) is done. A save bigger than its
+when its put (or its copy into the KV tensors) is done. A staged load's pieces
+are got one after another on the load thread, while the scatter thread checks the
+previous piece's payloads (the checksums the get left it, ``batch_get_deferred``)
+and copies them into the KV tensors. A save bigger than its
 staging waits, inside ``submit_save``, for earlier pieces' puts to free space: the
 staging size sets speed, not whether a chunk is saved. A wait for a piece's space
 that does not end within ``save_wait_s`` (the pool stopped taking puts) refuses
@@ -99,8 +102,9 @@ __all__ = ["LOAD_PIECE_BYTES", "PIECE_BYTES", "TransferEngine"]
 logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 16 << 20  # Mooncake pays ~0.4 ms per batch call: pieces stay large
-# A staged load's piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB (fewer
-# batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
+# A staged load's largest piece: 32 MiB loaded 1000 MiB 8-10% sooner than 16 MiB
+# (fewer batch calls), 64 MiB no sooner (measured, shared memory, checksums on).
+# Smaller jobs move in smaller pieces (``pieces.job_budget``).
 LOAD_PIECE_BYTES = 32 << 20
 # What construction waits for the prefault (~60 ms a GiB of staging and zero-copy KV
 # cache on a quiet host): an engine is ready with it done, so a holder lost after

@@ -7,10 +7,14 @@ through staging, and report which blocks to recompute.
                              thread; ``scatter_q`` feeds the scatter thread
     submit(job_id, chunks)   the caller's thread: the job, for the load thread
     run(job)                 the load thread. Direct: one get into the KV tensors.
-                             Staged: per piece, reserve staging (waiting for earlier
-                             pieces' copies), get into it, hand it to the scatter thread
-    scatter_loop(q)          the scatter thread: copy each verified piece into the KV
-                             tensors, free its staging, finish the job with its last
+                             Staged: per piece (``pieces.job_budget``), reserve
+                             staging (waiting for earlier pieces' copies), get into
+                             it, hand it to the scatter thread
+    scatter_loop(q)          the scatter thread: check each piece's payloads (the
+                             checksums its get left, ``batch_get_deferred``, unless
+                             the load thread found it behind and checked), copy
+                             what passed into the KV tensors, free its staging,
+                             finish the job with its last
     abandon_late()           report staged loads past ``timeout_s`` as TIMED_OUT
     abandon(status)          report every unfinished staged load failed now
 
@@ -100,7 +104,8 @@ class Loads:
             got = core.store.batch_get(keys, take(core.kv_segments(job.chunks), order))
             self._settle(job, dict(zip(keys, got, strict=True)))
             return
-        spans = pieces.cut(core.sizes(job.chunks), self.budget)
+        sizes = core.sizes(job.chunks)
+        spans = pieces.cut(sizes, pieces.job_budget(sum(sizes), self.budget))
         for n, (lo, hi) in enumerate(spans):
             piece = Piece(job, lo, hi, last=n == len(spans) - 1)
             if job.is_reported():  # abandoned: fetch nothing more
@@ -126,14 +131,22 @@ class Loads:
         segs = take(self.core.staged(piece.offsets, sizes), order)
         t0 = time.perf_counter()
         try:
-            got = self.core.store.batch_get([keys[i] for i in order], segs)
+            # The payload check is left to the scatter thread, so that this thread's
+            # next get starts at once (the holder's copy beside the check and the
+            # copy into KV); made here instead when the scatter thread is behind.
+            got, piece.check = self.core.store.batch_get_deferred([keys[i] for i in order], segs)
+            piece.get_s = time.perf_counter() - t0
+            piece.order = order
             piece.statuses = [Status.UNAVAILABLE] * len(keys)
             for i, st in zip(order, got, strict=True):
                 piece.statuses[i] = st
+            if not self.scatter_q.empty():  # the scatter thread is behind: check here
+                self._verify(piece)
         except Exception:  # a bug: the piece fails, the pipeline goes on
             logger.exception("load %r: get failed", piece.job.job_id)
             piece.statuses = [Status.UNAVAILABLE] * len(keys)
-        piece.get_s = time.perf_counter() - t0
+            piece.check = None
+            piece.get_s = time.perf_counter() - t0
 
     # -- the scatter thread ------------------------------------------------------------
 
@@ -143,6 +156,7 @@ class Loads:
             t0 = time.perf_counter()
             late = False
             try:
+                self._verify(piece)  # outside the lock: abandon() never waits for it
                 with job.lock:
                     late = job.is_reported()  # TIMED_OUT: its blocks may be reused
                     if not late:
@@ -155,7 +169,7 @@ class Loads:
                     self.arena.free(piece.staging)
                     piece.staging = None
             logger.debug(
-                "load %r chunks %d-%d: get %.1f ms, copy into KV %.1f ms",
+                "load %r chunks %d-%d: get %.1f ms, check and copy into KV %.1f ms",
                 job.job_id,
                 piece.lo,
                 piece.hi,
@@ -177,6 +191,15 @@ class Loads:
                 except Exception:
                     logger.exception("load %r: finishing failed", job.job_id)
                     self.finish(job, dict.fromkeys(job.got, Status.UNAVAILABLE))
+
+    def _verify(self, piece: Piece) -> None:
+        """Run the payload check the piece's get left (``batch_get_deferred``):
+        objects that fail it read CORRUPT, so they are neither copied nor kept."""
+        check, piece.check = piece.check, None
+        if check is None or piece.job.is_reported():  # late: its bytes are dropped
+            return
+        for j in check.failed():
+            piece.statuses[piece.order[j]] = Status.CORRUPT
 
     def _scatter(self, piece: Piece, ok: Sequence[bool]) -> None:
         """Copy the piece's objects that arrived into the KV tensors, but only of

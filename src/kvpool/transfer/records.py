@@ -18,7 +18,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from kvpool.store.base import Status
+from kvpool.store.base import DeferredCheck, Status
 
 __all__ = ["ChunkRef", "Job", "JobKind", "JobResult", "Piece", "TransferStats"]
 
@@ -121,6 +121,10 @@ class Piece:
     offsets: list[int] = field(default_factory=list)  # per chunk, absolute in staging
     statuses: list[Status] = field(default_factory=list)
     get_s: float = 0.0
+    # The payload check its get left to the scatter thread (``batch_get_deferred``),
+    # whose indices follow ``order`` (the get's order of the piece's chunks).
+    check: DeferredCheck | None = None
+    order: list[int] = field(default_factory=list)
 
 
 @dataclass

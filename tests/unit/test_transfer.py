@@ -1057,3 +1057,40 @@ def test_a_payload_damaged_in_a_middle_piece_stops_the_copy_there_and_is_removed
     assert wait_until(lambda: "d3" not in stored(), timeout=10)  # removed once unleased
     r.close()
     framed.close()
+
+
+def test_a_late_piece_is_still_checked_and_its_damaged_object_removed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load given up (TIMED_OUT) whose get answers later writes nothing, but its
+    deferred checksums still run: a damaged object is counted and removed, never
+    remembered as loaded."""
+    from kvpool.store.framed import FramedStore
+    from kvpool.transfer import shared
+
+    monkeypatch.setattr(shared, "DISCARD_RETRY_S", (0.05, 3.2))
+    inner = _FrozenStore()
+    inner.thaw.set()  # the save goes through
+    framed = FramedStore(inner, "00" * 8)
+    src = cpu_layers(2)
+    randomize(src, 41)
+    w = engine(framed, src)
+    assert w.submit_save("s", [ChunkRef("z", 0, 0, (1,))]) and w.wait(["s"], timeout=30)[0].ok
+    w.close()
+    inner.tamper("z", 64 + 5)
+    inner.thaw.clear()
+    dst = cpu_layers(2)
+    before = [t.clone() for _, t in dst]
+    r = engine(framed, dst, load_mode="staged", load_timeout_s=0.2)
+    r.submit_load("l", [ChunkRef("z", 0, 0, (7,))])
+    (res,) = _poll_until(r)
+    assert res.statuses == {"z": Status.TIMED_OUT}
+    inner.thaw.set()  # the get answers now, long after the load was reported
+    stored = inner.keys
+    assert wait_until(lambda: "z" not in stored(), timeout=10)
+    assert framed.corrupt_counts == {CheckFailure.CHECKSUM: 1}
+    assert "z" not in r._core.known
+    r.close()
+    framed.close()
+    for (_, t), old in zip(dst, before, strict=True):
+        assert torch.equal(t, old)  # nothing reached the KV cache

@@ -194,9 +194,11 @@ class Loads:
 
     def _verify(self, piece: Piece) -> None:
         """Run the payload check the piece's get left (``batch_get_deferred``):
-        objects that fail it read CORRUPT, so they are neither copied nor kept."""
+        objects that fail it read CORRUPT, so they are neither copied nor kept, and
+        are removed. A late piece is checked too: an OK must mean checked, even of
+        bytes that are dropped (loaded keys are remembered as stored)."""
         check, piece.check = piece.check, None
-        if check is None or piece.job.is_reported():  # late: its bytes are dropped
+        if check is None:
             return
         for j in check.failed():
             piece.statuses[piece.order[j]] = Status.CORRUPT

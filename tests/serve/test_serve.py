@@ -52,10 +52,6 @@ def metric(server: VllmServer, name: str, engine: int | None = None) -> float:
     return total
 
 
-def free_port() -> int:
-    return free_ports(1)[0]  # outside the ephemeral range: no outgoing connection takes it
-
-
 def same_answer(a: Completion, b: Completion) -> bool:
     return a.text == b.text and a.logprobs == b.logprobs
 
@@ -151,7 +147,7 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
     # DP engine and a headless follower starting at global DP rank 1 (as on a
     # second node). Local caches are empty; the pool is the same. The follower's
     # engine must be DP engine 1, with its own lookup endpoint, and hit the pool.
-    rpc = free_port()
+    (rpc,) = free_ports(1)
     common = ["--data-parallel-size", "2", "--data-parallel-size-local", "1",
               "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", str(rpc)]  # fmt: skip

@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 _ENV = {
@@ -58,7 +59,7 @@ def warmup_prompt(n: int) -> list[int]:
     return [5 + (i * 7919) % 991 for i in range(n)]
 
 
-def log_level(spec: dict[str, Any], environ: dict[str, str]) -> str:
+def log_level(spec: dict[str, Any], environ: Mapping[str, str]) -> str:
     """kvpool's log level in the engine: ``spec["log_level"]``, else vLLM's own
     ``VLLM_LOGGING_LEVEL`` (as under ``vllm serve``, where kvpool follows vLLM's
     logger), else WARNING. ``VLLM_LOGGING_LEVEL=DEBUG`` thus shows each load
@@ -75,7 +76,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logging.getLogger("kvpool").addHandler(handler)
-    logging.getLogger("kvpool").setLevel(log_level(spec, dict(os.environ)))
+    logging.getLogger("kvpool").setLevel(log_level(spec, os.environ))
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 

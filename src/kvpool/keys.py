@@ -15,7 +15,9 @@
     dp_index_of(cfg)          an engine's DP identity from vLLM's parallel config
     default_instance(space)   the lookup endpoint's name where the setting leaves it
                               empty: the fingerprint's start, and the tenant's
-    lookup_endpoint(...)      the lookup socket of one DP engine
+    lookup_endpoint(...)      the lookup socket of one DP engine of one server
+    lookup_endpoints(...)     every socket such an engine may take, first choice
+                              first (several servers of one config on one host)
 
 A key reads, left to right (``/`` separated)::
 
@@ -71,6 +73,7 @@ __all__ = [
     "default_instance",
     "dp_index_of",
     "lookup_endpoint",
+    "lookup_endpoints",
     "parse_key",
 ]
 
@@ -300,12 +303,20 @@ def default_instance(space: KeySpace) -> str:
     return name
 
 
-def lookup_endpoint(run_dir: str, instance: str, dp_index: int) -> str:
-    """The IPC endpoint of DP engine ``dp_index``'s lookup server.
+# Servers of one model and config on one host: each DP engine takes the first of
+# this many endpoints that no live server holds (``lookup_endpoints``).
+SERVERS_PER_HOST = 64
 
-    Derived from the global DP index alone, so it is distinct for every DP
-    engine on a host and the same on every node of one replica. The host name
-    is not part of it: an IPC socket is local to its host already.
+
+def lookup_endpoint(run_dir: str, instance: str, dp_index: int, server: int = 0) -> str:
+    """The IPC endpoint of DP engine ``dp_index``'s lookup server, in the
+    ``server``-th server of this config on this host (0: the first to start).
+
+    Derived from the global DP index, so it is distinct for every DP engine of a
+    server and the same on every node of one replica. The host name is not part
+    of it: an IPC socket is local to its host already. ``server`` tells apart
+    several ``vllm serve`` processes of one config on one host (one per GPU, a
+    blue/green restart): none of them is named by a setting.
     """
     if not _INSTANCE_RE.fullmatch(instance):
         raise LayoutError(
@@ -313,4 +324,17 @@ def lookup_endpoint(run_dir: str, instance: str, dp_index: int) -> str:
         )
     if isinstance(dp_index, bool) or not isinstance(dp_index, int) or dp_index < 0:
         raise LayoutError(f"dp_index must be a non-negative integer, got {dp_index!r}")
-    return f"ipc://{run_dir.rstrip('/')}/kvpool-lookup-{instance}-dp{dp_index}.sock"
+    if (
+        isinstance(server, bool)
+        or not isinstance(server, int)
+        or not 0 <= server < SERVERS_PER_HOST
+    ):
+        raise LayoutError(f"server must be an integer in 0..{SERVERS_PER_HOST - 1}, got {server!r}")
+    slot = f"-s{server}" if server else ""
+    return f"ipc://{run_dir.rstrip('/')}/kvpool-lookup-{instance}-dp{dp_index}{slot}.sock"
+
+
+def lookup_endpoints(run_dir: str, instance: str, dp_index: int) -> list[str]:
+    """Every endpoint DP engine ``dp_index`` of a server may take, in the order it
+    tries them: it serves on the first that no live server holds."""
+    return [lookup_endpoint(run_dir, instance, dp_index, n) for n in range(SERVERS_PER_HOST)]

@@ -87,7 +87,9 @@ class ConnectorSettings:
         "must see the same: on other nodes set it there too).",
     )
     instance: str = documented(
-        "", "Names the lookup endpoint; empty = from the engine's config fingerprint and tenant."
+        "",
+        "Names the lookup endpoint; empty = from the engine's config fingerprint and tenant. "
+        "Several servers of one config on a host each take the first free endpoint.",
     )
     load_mode: Literal["auto", "direct", "staged"] = documented(
         "auto",

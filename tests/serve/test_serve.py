@@ -178,6 +178,34 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_two_servers_of_one_config_on_one_host_share_the_pool(serve: Serve) -> None:
+    """Two ``vllm serve`` of one model with one config (as ``kvpool up`` prints it,
+    nothing set per server) run side by side on one host: the second server's
+    engine takes the next lookup endpoint, and loads what the first one saved."""
+    base = Path(tempfile.mkdtemp(prefix="kvp-"))  # socket paths: at most 107 bytes
+    try:
+        one_config = {"run_dir": str(base)}
+        first = serve("server-1", connector=one_config)
+        second = serve("server-2", connector=one_config)
+        ids = prompt(21)
+        assert first.complete(ids).cached_tokens == 0
+        local = first.complete(ids)  # the reference: a local prefix-cache hit
+        blocks = len(ids) // BLOCK
+        assert local.cached_tokens == blocks * BLOCK
+        saved_all(first, blocks * 2)  # tiny_model: 2 KV heads, one object each
+        hit = second.complete(ids)
+        assert hit.cached_tokens == blocks * BLOCK, hit
+        assert same_answer(hit, local), (hit, local)
+        assert metric(second, "vllm:kvpool_chunks_loaded_total") == blocks * 2
+        assert metric(second, "vllm:kvpool_lookup_failures_total") == 0
+        # Each server serves its engine's lookups on its own endpoint.
+        ends = sorted(p.name.rsplit("-", 2)[-2:] == ["dp0", "s1.sock"] for p in base.glob("*.sock"))
+        assert ends == [False, True], sorted(p.name for p in base.glob("*.sock"))
+        assert "another live lookup server" not in second.log_path.read_text()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_a_request_chooses_what_it_saves_and_loads(serve: Serve) -> None:
     """kv_transfer_params on a request (vLLM's offloading connector's names):
     max_offload_tokens 0 saves nothing of it, max_load_tokens caps its load (0: no

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -28,12 +28,12 @@ from hypothesis import strategies as st
 from tests.factories import key_space, wait_until
 
 from kvpool.errors import ConfigError
-from kvpool.keys import KeySpace, lookup_endpoint
+from kvpool.keys import KeySpace, lookup_endpoint, lookup_endpoints
 from kvpool.layout import ContentId, Layout
 from kvpool.lookup import wire
 from kvpool.lookup.client import LookupClient
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, private_dir
-from kvpool.lookup.server import LookupServer, SupportsRemovePrefix
+from kvpool.lookup.server import LookupServer, SupportsRemovePrefix, start_first_free
 from kvpool.plan import chunk_hashes, probe_keys
 from kvpool.store.base import KVStore, Status
 from kvpool.store.memory import MemoryStore
@@ -825,6 +825,41 @@ def test_a_live_server_keeps_its_endpoint(service: Service) -> None:
     with pytest.raises(LookupEndpointInUse, match="another live lookup server"):
         service.server(MemoryStore())
     assert service.client().lookup("r", chunk_hashes(1), 2 * CHUNK) == CHUNK
+
+
+def test_servers_of_one_config_on_one_host_each_take_the_first_free_endpoint(
+    run_dir: str,
+) -> None:
+    """Two ``vllm serve`` of one model and config on one host: the second server's
+    engine serves on the next endpoint (no setting), each answers from its own
+    store, and the first endpoint freed is taken again by the next server."""
+    space = space_of(MLA_DCP)
+    stores = [MemoryStore() for _ in range(3)]
+    put_chunks(stores[1], MLA_DCP, space, chunk_hashes(2))
+    ends = lookup_endpoints(run_dir, "m", 0)
+    assert len(set(ends)) == len(ends) and ends[0] == lookup_endpoint(run_dir, "m", 0)
+
+    def make(store: MemoryStore) -> Callable[[str], LookupServer]:
+        return lambda url: LookupServer(url, store, MLA_DCP, space, CHUNK)
+
+    first = start_first_free(ends, make(stores[0]))
+    second = start_first_free(ends, make(stores[1]))
+    clients: list[LookupClient] = []
+    try:
+        assert (first.endpoint.url, second.endpoint.url) == (ends[0], ends[1])
+        clients.append(LookupClient(ends[1], timeout_ms=2000.0))
+        assert clients[0].lookup("r", chunk_hashes(2), 3 * CHUNK) == 2 * CHUNK
+        first.close()
+        third = start_first_free(ends, make(stores[2]))
+        assert third.endpoint.url == ends[0]
+        third.close()
+        with pytest.raises(LookupEndpointInUse, match="hold all 1 endpoints"):
+            start_first_free(ends[1:2], make(stores[0]))
+    finally:
+        for c in clients:
+            c.close()
+        first.close()
+        second.close()
 
 
 def test_tcp_endpoints_on_loopback(service: Service) -> None:

@@ -5,6 +5,10 @@
     server.start()             bind the endpoint (IPC: take its lock, clear a stale
                                socket file) and start the serving thread; raises
                                ``LookupEndpointInUse`` or ``ConfigError``
+    start_first_free(endpoints, make)
+                               start ``make(url)`` on the first endpoint that no
+                               live server holds (several servers of one config on
+                               one host); ``LookupEndpointInUse`` if all are held
     server.close(timeout_s)    stop the thread, close the socket, unlink the IPC
                                socket file and drop its lock; idempotent
     server.answer(frame), server.stats
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -35,7 +40,7 @@ from kvpool.lookup.answers import LookupAnswers, ServerStats, SupportsRemovePref
 from kvpool.lookup.endpoint import Endpoint, LookupEndpointInUse, PathLock
 from kvpool.store.base import KVStore
 
-__all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix"]
+__all__ = ["LookupServer", "ServerStats", "SupportsRemovePrefix", "start_first_free"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +184,22 @@ class LookupServer(LookupAnswers):
             sock.send_multipart([peer, wire.encode_reply(reply)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer is gone or not reading: drop the reply
             logger.debug("kvpool: lookup reply dropped: %s", exc)
+
+
+def start_first_free(endpoints: Sequence[str], make: Callable[[str], LookupServer]) -> LookupServer:
+    """Start the server ``make(url)`` builds on the first of ``endpoints`` that no
+    live server holds, and return it. Two servers racing for one endpoint never
+    both take it (its lock, ``PathLock``); the loser tries the next. Raises
+    ``LookupEndpointInUse`` when every endpoint is held, ``ConfigError`` as
+    ``start`` does."""
+    for url in endpoints:
+        server = make(url)
+        try:
+            server.start()
+        except LookupEndpointInUse:
+            continue
+        return server
+    raise LookupEndpointInUse(
+        f"live lookup servers hold all {len(endpoints)} endpoints from {endpoints[0]} on: "
+        "stop some servers of this config on this host, or give them another run_dir"
+    )

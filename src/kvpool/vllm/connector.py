@@ -77,7 +77,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
-from kvpool.keys import default_instance, lookup_endpoint
+from kvpool.keys import default_instance, lookup_endpoints
 from kvpool.settings import ConnectorSettings, parse_extra
 from kvpool.store import open_store
 from kvpool.store.base import KVStore
@@ -278,21 +278,25 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> SchedulerSide:
         from kvpool.lookup.client import LookupClient
         from kvpool.lookup.endpoint import private_dir
-        from kvpool.lookup.server import LookupServer
+        from kvpool.lookup.server import LookupServer, start_first_free
 
         run_dir = settings.run_dir or os.path.join(tempfile.gettempdir(), f"kvpool-{os.getuid()}")
         private_dir(run_dir)
         instance = settings.instance or default_instance(identity.space)
-        endpoint = lookup_endpoint(run_dir, instance, identity.dp_index)
         store = open_store(settings.store, pool)
         self._closers.append(store.close)
         # A failed load fails the request under policy "fail": no chunk may be taken
         # as present unprobed then (see kvpool.lookup.search).
         exact = self._failure_policy == "fail"
-        server = LookupServer(
-            endpoint, store, identity.layout, identity.space, identity.chunk_size, exact=exact
+        # Another server of this config on this host may hold the first endpoint:
+        # take the first free one (no setting tells servers apart).
+        server = start_first_free(
+            lookup_endpoints(run_dir, instance, identity.dp_index),
+            lambda url: LookupServer(
+                url, store, identity.layout, identity.space, identity.chunk_size, exact=exact
+            ),
         )
-        server.start()
+        endpoint = server.endpoint.url
         self.lookup_server = server
         self._closers.insert(0, server.close)
         client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)

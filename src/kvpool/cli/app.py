@@ -20,6 +20,7 @@ from kvpool.cli import bench_lookup_cmd as _bench_lookup  # noqa: F401
 from kvpool.cli import bench_report_cmd as _bench_report  # noqa: F401
 from kvpool.cli import bench_serve_cmd as _bench_serve  # noqa: F401
 from kvpool.cli import bench_store_cmd as _bench_store  # noqa: F401
+from kvpool.cli import bench_trace_cmd as _bench_trace  # noqa: F401
 from kvpool.cli import bench_transfer_cmd as _bench_transfer  # noqa: F401
 from kvpool.cli import bench_vllm_cmd as _bench_vllm  # noqa: F401
 from kvpool.cli import render

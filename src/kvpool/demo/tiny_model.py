@@ -236,14 +236,19 @@ def build_tiny_granite_hybrid(
 
 
 def build_shaped_llama(
-    folder: str | Path, shape: ModelShape, hidden: int, max_positions: int
+    folder: str | Path,
+    shape: ModelShape,
+    hidden: int,
+    max_positions: int,
+    intermediate: int = 256,
 ) -> Path:
     """``build_tiny_llama`` with ``shape``'s KV: its layers, KV heads (as many query
-    heads) and head size, whatever the hidden size."""
+    heads) and head size, whatever the hidden (and MLP) size."""
     return build_tiny_llama(
         folder,
         layers=shape.layers,
         hidden=hidden,
+        intermediate=intermediate,
         heads=shape.kv_heads,
         kv_heads=shape.kv_heads,
         head_dim=shape.head_dim,

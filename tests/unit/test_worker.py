@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.factories import key_space
+from tests.factories import key_space, wait_until
 
 from kvpool.config import PoolConfig
 from kvpool.connector.identity import EngineIdentity
@@ -270,6 +270,48 @@ def plain_worker() -> tuple[Worker, MemoryStore]:
     return worker, store
 
 
+def test_a_save_copies_off_the_forwards_path_and_holds_its_blocks_until_copied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM keeps a finished request's blocks for its saves, so a save's copy into
+    staging runs on the stage thread: ``start_saves`` returns while the copy has not
+    run; meanwhile the request is never released (past the drain limit too), a
+    flush of its freed blocks waits for the copy, and the pool gets the bytes the
+    blocks held when they were copied."""
+    import kvpool.connector.drain as drain_module
+
+    worker, store = plain_worker()
+    engine = worker.engine
+    assert engine is not None and engine.deferred_saves and engine.reads_blocks_until_done
+    copier = engine._core.copier
+    copying, go = threading.Event(), threading.Event()
+    gather = copier.gather
+
+    def held_gather(*args: object, **kwargs: object) -> None:
+        copying.set()
+        assert go.wait(30)
+        gather(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copier, "gather", held_gather)
+    monkeypatch.setattr(drain_module, "DRAIN_LIMIT_S", 0.0)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))  # returns: nothing copied yet
+    assert copying.wait(10) and engine.reading(worker._book.jobs)
+    worker.start_saves(StepPlan(finishing=frozenset({"a"})))
+    worker.finished()
+    assert worker.released() == set()  # its blocks are still to be read
+    flushed = threading.Thread(target=worker.flush_saves, args=(frozenset({"a"}),))
+    flushed.start()
+    flushed.join(0.2)
+    assert flushed.is_alive()  # the next forward may not overwrite them yet
+    go.set()
+    flushed.join(10)
+    assert not flushed.is_alive()
+    keys = [worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], bytes([i]) * 8)
+            for i in (1, 2)]  # fmt: skip
+    assert wait_until(lambda: set(keys) <= set(store.keys()), 10)
+    worker.close()
+
+
 def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
     """vLLM's engine and workers spin while one waits for another; a rank with no
     load of its own that returned at once spun beside them and, on two cores,
@@ -330,8 +372,9 @@ def test_a_save_refused_for_busy_staging_is_retried_by_the_worker_until_stored()
     worker, store, caches = slow_worker(release)
     engine = worker.engine
     assert engine is not None and engine.load_mode == "staged"
-    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3, 4, 5])]))
-    assert engine.saves_blocked  # staging full, its wait ran out: refused at once now
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3, 4, 5])]))  # returns at once
+    # Staged on the stage thread: staging full, its wait ran out: refused at once now.
+    assert wait_until(lambda: engine.saves_blocked, 10)
     # Saves stall, loads do not: they have staging of their own. Objects written
     # before (by "another engine") load while the puts are stuck.
     chunk_hash = bytes([1]) * 8
@@ -395,6 +438,12 @@ def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
     release = threading.Event()
     worker, _, _ = slow_worker(release)
     worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3]), ops("p", [4, 5, 6])]))
+
+    def refused() -> int:  # a's third object, after its wait for staging, then all of p's
+        stats = worker.stats()
+        return 0 if stats is None else stats.chunks_refused["staging_busy"]
+
+    assert wait_until(lambda: refused() >= 4, 10)
     release.set()
     deadline = time.monotonic() + 10
     while worker._book.has_jobs and time.monotonic() < deadline:  # the first jobs end
@@ -408,8 +457,9 @@ def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
     monkeypatch.setattr(drain_module, "DRAIN_LIMIT_S", 0.0)
     other = RequestOps("x", tuple(ChunkOp(i, bytes([50 + i]) * 8, ((7 + i,),)) for i in range(3)))
     worker.start_saves(StepPlan(saves=[other], freed=frozenset({"p"}), finishing=frozenset({"a"})))
-    assert worker.engine is not None and worker.engine.saves_blocked
-    assert worker._book.retrying == {"a"}
+    engine = worker.engine
+    assert engine is not None and wait_until(lambda: engine.saves_blocked, 10)
+    assert "p" not in worker._book.retrying  # a's retry went again, and is refused again
     with caplog.at_level(logging.WARNING, logger="kvpool.connector.drain"):
         got: set[str] = set()
         while not got and time.monotonic() < deadline:

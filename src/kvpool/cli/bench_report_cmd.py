@@ -96,6 +96,15 @@ def _lookup_table() -> Any:
     return lookup_summary_table(LookupBench((), "", 0, 0))
 
 
+def _trace_table() -> Any:
+    from kvpool.bench.fleet import Fleet, TraceBench
+    from kvpool.bench.replay import Pacing
+    from kvpool.cli.bench_trace_cmd import trace_table
+    from kvpool.demo.shapes import SHAPES
+
+    return trace_table(TraceBench("", Fleet(SHAPES["small-gqa"]), Pacing(), 0, 0, 0, 0, 0, 0))
+
+
 def _demo_table() -> Any:
     from kvpool.cli.demo_cmd import demo_request_table
     from kvpool.demo.run import DemoReport
@@ -132,6 +141,9 @@ REPORTS: dict[str, Report] = {
         _vllm_table,
     ),
     "serve": Report(("bench", "serve", "--shape", "llama3-8b"), _serve_table),
+    "trace": Report(
+        ("bench", "trace", "traces/conversation_trace.jsonl.gz", "--speedup", "60"), _trace_table
+    ),
     "capacity": Report(("bench", "capacity", "--repeats", "3"), _capacity_table),
     "transfer": Report(("bench", "transfer"), _transfer_table),
     "lookup": Report(

@@ -15,11 +15,14 @@ requests whose blocks vLLM keeps until their saves are done.
                                to retry, or ``DRAIN_LIMIT_S`` after it finished
     book.take_retries()        {request: objects} to submit again now (the caller
                                checks that saves are not blocked)
-    book.release(now, pool)    the finishing requests done now, each once; with
+    book.release(now, pool, reading)
+                               the finishing requests done now, each once; with
                                no pool (``pool=False``) nothing is retried; past
-                               the limit a staged job still in flight no longer
-                               holds its request (it read its blocks at submit)
-    book.jobs_of(reqs) / book.drop_jobs(jobs)   zero copy's flush of freed requests
+                               the limit a job still in flight no longer holds
+                               its request, unless it is in ``reading`` (the jobs
+                               that may still read their blocks: zero copy,
+                               deferred saves not staged yet)
+    book.jobs_of(reqs) / book.drop_jobs(jobs)   the flush of freed requests' saves
     book.jobs, book.retrying    save jobs in flight; requests with objects to retry
     book.clear()               the transfer engine was retired: no job reports
     book.outstanding           jobs in flight + requests to retry + finishing
@@ -47,9 +50,8 @@ NOTE_INTERVAL_S = 60.0  # one "gave up" line at most this often
 class SaveBook:
     """See the module docstring."""
 
-    def __init__(self, retries: bool, zero_copy: bool = False) -> None:
+    def __init__(self, retries: bool) -> None:
         self.retries = retries
-        self.zero_copy = zero_copy  # jobs read blocks until they end (not only at submit)
         self._reqs: dict[Hashable, str] = {}  # job in flight -> request
         self._refs: dict[Hashable, list[ChunkRef]] = {}  # job -> its objects (retries on)
         self._retry: dict[str, list[ChunkRef]] = {}  # request -> objects to submit again
@@ -92,28 +94,29 @@ class SaveBook:
         out, self._retry = self._retry, {}
         return out
 
-    def release(self, now: float, pool: bool = True) -> set[str]:
+    def release(self, now: float, pool: bool = True, reading: Iterable[Hashable] = ()) -> set[str]:
         if not self._finishing:
             return set()
         busy = set(self._reqs.values())
+        # A job that may still read its blocks always holds them; one that read them
+        # is left behind past the limit (a put that never returns).
+        held = {self._reqs[j] for j in reading if j in self._reqs}
         done: set[str] = set()
         for req_id, until in list(self._finishing.items()):
             late = now >= until or not pool
-            # A zero-copy save reads its blocks until it ends; a staged one read them
-            # at submit, so past the limit (a put that never returns) it is left behind.
-            if req_id in busy and (self.zero_copy or not late):
+            if req_id in held or (req_id in busy and not late):
                 continue
             if req_id in self._retry and not late:
                 continue
             left = self._retry.pop(req_id, None)
             self.freed([req_id])  # what its jobs in flight refuse later stays out
-            if left and now - self._noted >= NOTE_INTERVAL_S:
+            if (left or req_id in busy) and now - self._noted >= NOTE_INTERVAL_S:
                 self._noted = now
                 logger.warning(
-                    "kvpool: gave up saving %d object(s) of %s after %.0f s: the pool took "
-                    "too few puts meanwhile (staging busy or backing off); raise "
-                    "staging_bytes if the pool is healthy but slower than the engine",
-                    len(left),
+                    "kvpool: gave up saving %s of %s after %.0f s: the pool took too few "
+                    "puts meanwhile (staging busy or backing off); raise staging_bytes if "
+                    "the pool is healthy but slower than the engine",
+                    f"{len(left)} object(s)" if left else "what its saves in flight refuse",
                     req_id,
                     DRAIN_LIMIT_S,
                 )

@@ -15,12 +15,15 @@
     Worker.wait_layer(name)     before the forward reads KV layer ``name``: this
         step's loads by layer of its band and those before it have ended (their
         failures go to ``load_errors``, never to ``finished``); "" waits for all
-    Worker.start_saves(meta)    stage the chunks this rank writes (the layout's
-        striping rule) and queue their puts; then submit again the objects of
-        saves refused for local pressure (staging busy), unless saves are still
-        blocked; called after the forward
-    Worker.flush_saves(freed)   zero copy: wait for the saves still reading blocks
-        of requests that finished or were preempted (before the next forward)
+    Worker.start_saves(meta)    queue saves of the chunks this rank writes (the
+        layout's striping rule): staged on the transfer engine's stage thread
+        while vLLM keeps a finished request's blocks for its saves (no KV events,
+        every group keeps a running request's blocks), else staged here; then
+        submit again the objects of saves refused for local pressure (staging
+        busy), unless saves are still blocked; called after the forward
+    Worker.flush_saves(freed)   zero copy, deferred saves: wait for the saves still
+        reading blocks of requests that finished or were preempted (before the
+        next forward)
     Worker.finished(idle)       (finished loads, failed loads) by request id;
         in an idle step it first blocks up to IDLE_WAIT_S (on its transfers, or
         asleep when it has none: no rank spins while another's transfer runs)
@@ -121,6 +124,7 @@ class Worker:
         # Save jobs by request, refused objects to retry, finishing requests (set
         # up in ``register``, once the groups tell whether retries are allowed)
         self._book = SaveBook(retries=False)
+        self._deferred = False  # saves staged off the forward's path (``register``)
         self._released: set[str] = set()  # to report as finished sending
         self._unfinished_without_engine: set[str] = set()
         # Loads by layer (``RequestOps.by_layer``): this step's jobs per layer band,
@@ -139,10 +143,8 @@ class Worker:
         # the tensors; a key is the template and a chunk hash's hex, ``KeySpace.template``).
         self._shards: dict[int, list[tuple[ContentId, int, str]]] = {}
         # zero_copy: the store whose memory holds the KV cache (kept open until
-        # close: the KV tensors live there), and results taken early by
-        # ``flush_saves`` for the next ``finished``.
+        # close: the KV tensors live there).
         self._kv_home: KVStore | None = None
-        self._early: list[JobResult] = []
         self._lock = threading.Lock()
         self._reopening = False  # a background open runs
         self._reopened: tuple[KVStore, TransferEngine] | None = None
@@ -170,10 +172,11 @@ class Worker:
             )
             return
         self._groups = groups
-        self._book = SaveBook(
-            retries=not self._events and self.identity.keeps_blocks,
-            zero_copy=self.settings.zero_copy,
-        )
+        # vLLM keeps a finished request's blocks until its saves are done (the
+        # planner's drains): saves then copy their blocks off the forward's path.
+        keeps = not self._events and self.identity.keeps_blocks
+        self._deferred = keeps
+        self._book = SaveBook(retries=keeps)
         try:
             self.store, self.engine = self._open()
         except ConfigError:
@@ -198,6 +201,7 @@ class Worker:
                 zero_copy=zero_copy,
                 blocks_per_object=self.identity.blocks_per_chunk,
                 prefault=True,  # a fresh engine's first loads at full speed
+                deferred_saves=self._deferred,
             )
         except BaseException:
             if store is not self._kv_home:
@@ -460,17 +464,17 @@ class Worker:
         self.engine.submit_save(job, refs)
 
     def flush_saves(self, freed: frozenset[str]) -> None:
-        """Zero copy: wait for the saves still reading blocks of ``freed`` requests,
-        before this step's forward may overwrite those blocks."""
+        """Zero copy, deferred saves: wait for the saves still reading blocks of
+        ``freed`` requests, before this step's forward may overwrite those blocks."""
         if not freed or not self._book.has_jobs or self.engine is None:
             return
-        if not self.engine.zero_copy:
-            return  # staged saves copied their blocks when they were submitted
+        if not self.engine.reads_blocks_until_done:
+            return  # the saves copied their blocks when they were submitted
         jobs = self._book.jobs_of(freed)
         if not jobs:
             return
         start = time.perf_counter()
-        self._early += self.engine.wait(jobs)
+        self.engine.wait_reads(jobs)
         self._book.drop_jobs(jobs)  # freed: their refusals are not retried
         logger.debug(
             "kvpool: waited %.1f ms for %d save(s) of freed requests",
@@ -494,10 +498,9 @@ class Worker:
         if idle:
             if self.engine is not None and (self._loads or self._book.has_finishing):
                 self.engine.wait_any(IDLE_WAIT_S)
-            elif not done and not self._early:  # nothing to report: no reason to hurry
+            elif not done:  # nothing to report: no reason to hurry
                 time.sleep(IDLE_WAIT_S)
-        results, self._early = self._early, []
-        results += self.engine.poll() if self.engine is not None else []
+        results = self.engine.poll() if self.engine is not None else []
         results += self._check_store(results + self._layered_done)
         self._layered_done = []
         for result in results:
@@ -509,7 +512,10 @@ class Worker:
             done.add(req_id)
             if self._load_ended(req_id, hashes, result):
                 failed.add(req_id)
-        self._released |= self._book.release(time.monotonic(), pool=self.engine is not None)
+        reading = self.engine.reading(self._book.jobs) if self.engine is not None else ()
+        self._released |= self._book.release(
+            time.monotonic(), pool=self.engine is not None, reading=reading
+        )
         return done, failed
 
     def released(self) -> set[str]:

@@ -3,9 +3,18 @@
     TransferEngine(store, groups, num_blocks)  describe the KV tensors (``kvcache``),
                                    register each distinct allocation once
     submit_save(job_id, chunks)    stage the chunks' blocks piece by piece *now*
-                                   and put each piece on a background thread as
-                                   soon as it is staged; False when some of the
-                                   job was refused (its result says which chunks)
+                                   (``deferred_saves``: on the stage thread, the
+                                   caller's step not held) and put each piece on a
+                                   background thread as soon as it is staged; False
+                                   when some of the job was refused by then (its
+                                   result says which chunks)
+    reads_blocks_until_done        a save may read its blocks after ``submit_save``
+                                   returned (zero copy: until its job ended;
+                                   deferred saves: until staged): the caller keeps
+                                   them until then
+    reading(job_ids) / wait_reads(job_ids)
+                                   the save jobs that may still read KV blocks /
+                                   block until none does
     submit_load(job_id, chunks)    get the chunks on a background thread into the KV
                                    tensors (zero-copy, ``load_mode="direct"``) or
                                    piece by piece through staging (``"staged"``,
@@ -34,7 +43,8 @@ when its put (or its copy into the KV tensors) is done. A staged load's pieces
 are got one after another on the load thread, while the scatter thread checks the
 previous piece's payloads (the checksums the get left it, ``batch_get_deferred``)
 and copies them into the KV tensors. A save bigger than its
-staging waits, inside ``submit_save``, for earlier pieces' puts to free space: the
+staging waits, inside ``submit_save`` (deferred: on the stage thread), for earlier
+pieces' puts to free space: the
 staging size sets speed, not whether a chunk is saved. A wait for a piece's space
 that does not end within ``save_wait_s`` (the pool stopped taking puts) refuses
 the rest of the job ("staging_busy", retryable) and later saves refuse at once,
@@ -51,7 +61,11 @@ Guarantees:
 
 * A staged save reads KV blocks only inside ``submit_save``: once it returns, the
   blocks may be reused; the pool gets the bytes they held at submit time (or
-  nothing). Zero copy: until the job finished instead.
+  nothing). Zero copy: until the job finished instead; ``deferred_saves``: until
+  its staging ended, on the stage thread, so no copy of a save runs on the
+  caller's step (``reads_blocks_until_done``, ``reading``: the caller keeps the
+  blocks meanwhile, as vLLM lets a connector keep a finished request's blocks
+  until its saves are done).
 * A refused chunk is never put and never reported stored: ``JobResult.refused``
   names the cause and ``refused_from`` the lowest chunk index refused (a job
   moves in (group, chunk) order and is refused from some point of it on, so
@@ -134,6 +148,7 @@ class TransferEngine:
         blocks_per_object: int = 1,
         save_wait_s: float = 1.0,
         prefault: bool = False,
+        deferred_saves: bool = False,
     ) -> None:
         if min(piece_bytes, load_piece_bytes) < 1:
             raise ValueError(f"piece sizes must be >= 1, got {piece_bytes}, {load_piece_bytes}")
@@ -185,7 +200,9 @@ class TransferEngine:
         # Unbounded: a staged save's bytes are in staging before it is queued, and
         # loads are bounded by the requests waiting for them.
         self._save_q: queue.Queue[Job | None] = queue.Queue()
+        self._stage_q: queue.Queue[Job | None] = queue.Queue()  # deferred saves
         self._load_q: queue.Queue[Job | None] = queue.Queue()
+        self.deferred_saves = deferred_saves and not zero_copy
         scatter_q: queue.Queue[Piece | None] = queue.Queue()
         self._saves = Saves(
             self._core,
@@ -196,6 +213,7 @@ class TransferEngine:
             zero_copy,
             self._save_q.put,
             self._save_q.qsize,
+            self._stage_q.put if self.deferred_saves else None,
         )
         self._loads = Loads(
             self._core,
@@ -221,6 +239,7 @@ class TransferEngine:
                 name="kvpool-load",
             ),
             threading.Thread(target=self._loads.scatter_loop, name="kvpool-scatter"),
+            threading.Thread(target=self._stage_loop, name="kvpool-stage"),
         ]
         for thread in self._threads:
             thread.daemon = True
@@ -262,8 +281,24 @@ class TransferEngine:
     # -- public --------------------------------------------------------------------
 
     def submit_save(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
-        """Stage ``chunks`` now and queue their puts; False if some were refused."""
+        """Stage ``chunks`` (now, or on the stage thread with ``deferred_saves``) and
+        queue their puts; False if some were refused by the time it returns."""
         return self._saves.submit(job_id, chunks)
+
+    @property
+    def reads_blocks_until_done(self) -> bool:
+        """A save may read its KV blocks after ``submit_save`` returned (zero copy,
+        deferred saves): the caller keeps them while ``reading`` lists its job."""
+        return self.zero_copy or self.deferred_saves
+
+    def reading(self, job_ids: Iterable[Hashable]) -> set[Hashable]:
+        """The save jobs of ``job_ids`` that may still read KV blocks (zero copy:
+        until they end; deferred saves: until their staging ended)."""
+        return self._saves.reading(job_ids)
+
+    def wait_reads(self, job_ids: Iterable[Hashable]) -> None:
+        """Block until none of ``job_ids`` reads KV blocks (see ``reading``)."""
+        self._saves.wait_reads(job_ids)
 
     def submit_load(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
         """Queue a load of ``chunks`` (always accepted; returns True)."""
@@ -344,14 +379,20 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        for q in (self._save_q, self._load_q):
+        for q in (self._stage_q, self._save_q, self._load_q):
             q.put(None)
-        for thread in self._threads[:2]:
+        for thread in (self._threads[3], *self._threads[:2]):  # staged before put
             thread.join()
         self._loads.scatter_q.put(None)  # after the load thread's last piece
         self._threads[2].join()
 
     # -- background threads -------------------------------------------------------
+
+    def _stage_loop(self) -> None:
+        """The stage thread (deferred saves): copy each queued job's blocks into
+        staging; ``Saves.stage`` refuses, never raises, on a copy that fails."""
+        while (job := self._stage_q.get()) is not None:
+            self._saves.stage(job)
 
     @staticmethod
     def _loop(

@@ -1,15 +1,24 @@
 """The save path: stage a job's chunks piece by piece, put each piece, free it.
 
-    Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue, backlog)
-    submit(job_id, chunks)   the caller's thread: skip keys stored recently, then
-                             stage piece by piece (waiting while puts free staging)
-                             and queue the job; False when some of it was refused
+    Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue, backlog,
+          stage_later=None)
+    submit(job_id, chunks)   the caller's thread: skip keys stored recently, queue
+                             the job, then stage it piece by piece (waiting while
+                             puts free staging), or hand it to ``stage_later`` (the
+                             stage thread then calls ``stage``); False when some
+                             of it was refused by then
+    stage(job)               copy a queued job's blocks into staging, piece by piece
+    reading(job_ids)         those jobs that may still read KV blocks (zero copy:
+                             until they end; ``stage_later``: until staged)
+    wait_reads(job_ids)      block until none of them reads KV blocks
     run(job)                 the save thread: put each piece once staged, free its
                              staging, remember what is stored, publish the result
     in_backpressure          saves are refused until a put failure's back-off ends
 
 Rules (the contract is ``kvpool.transfer.engine``'s): a staged save reads KV
-blocks only inside ``submit``; a wait for a piece's space that does not end
+blocks only inside ``stage``: within ``submit``, or on the stage thread with
+``stage_later`` (the caller then keeps the blocks until the job ended, as for zero
+copy, and the forward never waits for a copy); a wait for a piece's space that does not end
 within ``wait_s`` refuses the rest of the job ("staging_busy") and later saves
 refuse at once until a put frees staging;
 zero-copy saves (no staging bounds them) refuse past ``ZERO_COPY_BACKLOG`` queued
@@ -40,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvpool.store.base import Status
 from kvpool.store.scatter import Segments, take
@@ -84,9 +93,11 @@ class Saves:
         zero_copy: bool,
         enqueue: Callable[[Job], None],
         backlog: Callable[[], int] = lambda: 0,
+        stage_later: Callable[[Job], None] | None = None,
     ) -> None:
         self.core = core
         self.enqueue = enqueue  # hands a job to the save thread
+        self.stage_later = stage_later  # hands a job to the stage thread (None: stage now)
         self.backlog = backlog  # save jobs queued now
         self.arena = arena
         self.budget = budget
@@ -99,6 +110,7 @@ class Saves:
         self._pressure_until = 0.0
         self._noted: dict[str, tuple[float, int]] = {}  # cause -> (last log, chunks since)
         self._staged = threading.Condition()  # a job's staging progress (Job.staged)
+        self._reading: set[Hashable] = set()  # jobs that may still read KV blocks
 
     @property
     def in_backpressure(self) -> bool:
@@ -135,9 +147,44 @@ class Saves:
                 self.finish(job, {})
                 return False
             job.staged = [Piece(job, lo, hi, last=False) for lo, hi in job.pieces]
+            with self._staged:
+                self._reading.add(job_id)  # until the job ends
             self.enqueue(job)
             return True
         self.enqueue(job)  # queued first: its first put starts once a piece is in
+        if self.stage_later is not None:
+            with self._staged:
+                self._reading.add(job_id)  # until ``stage`` ends
+            self.stage_later(job)
+            return True
+        return self.stage(job)
+
+    def reading(self, job_ids: Iterable[Hashable]) -> set[Hashable]:
+        with self._staged:
+            return self._reading.intersection(job_ids)
+
+    def wait_reads(self, job_ids: Iterable[Hashable]) -> None:
+        want = set(job_ids)
+        with self._staged:
+            while self._reading & want:
+                self._staged.wait()
+
+    def _read_done(self, job_id: Hashable) -> None:
+        with self._staged:
+            if job_id in self._reading:
+                self._reading.discard(job_id)
+                self._staged.notify_all()
+
+    def stage(self, job: Job) -> bool:
+        """Copy ``job``'s pieces into staging in turn, each handed to the save thread
+        as it is in; False when the rest was refused (counted, and the save thread
+        finishes the job)."""
+        try:
+            return self._stage_pieces(job)
+        finally:
+            self._read_done(job.job_id)  # its blocks are read (or never will be)
+
+    def _stage_pieces(self, job: Job) -> bool:
         for lo, hi in job.pieces:
             try:
                 piece = self._stage(job, lo, hi)
@@ -328,7 +375,7 @@ class Saves:
         return got
 
     def _wait_staged(self, job: Job, n: int) -> Piece | None:
-        """Piece ``n`` of ``job`` once the caller staged it; None if it was refused."""
+        """Piece ``n`` of ``job`` once it is staged; None if it was refused."""
         with self._staged:
             while len(job.staged) <= n and not job.refused:
                 self._staged.wait()
@@ -345,6 +392,7 @@ class Saves:
         )
 
     def finish(self, job: Job, statuses: dict[str, Status], nbytes: int = 0) -> None:
+        self._read_done(job.job_id)  # zero copy: read until now
         skipped = job.skipped + list(statuses.values()).count(Status.EXISTS)
         self.core.publish(
             JobResult(

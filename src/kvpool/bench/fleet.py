@@ -42,7 +42,7 @@ from pathlib import Path
 from kvpool.bench.engines import BLOCK, RESERVED_CPUS, mooncake_env
 from kvpool.bench.replay import Answer, Pacing, ask, replay
 from kvpool.bench.trace import Turn, reuse, reuse_after
-from kvpool.demo.server import VllmServer, kv_transfer_config
+from kvpool.demo.server import ServerFailed, VllmServer, kv_transfer_config
 from kvpool.demo.shapes import ModelShape
 from kvpool.demo.tiny_model import build_shaped_llama
 from kvpool.pool import LocalPool, free_ports, master_metrics, parse_metrics
@@ -124,9 +124,6 @@ class TraceBench:
     lru_tokens: int  # an LRU cache of the pool's size would serve
     pool_blocks: int  # the LRU's size in blocks
     runs: tuple[ConfigRun, ...] = field(default_factory=tuple)
-
-    def run(self, name: str) -> ConfigRun | None:
-        return next((r for r in self.runs if r.name == name), None)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -243,9 +240,9 @@ def _run_config(
         after, evict1 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
         urls = [s.url for s in servers]
         checks = _check(turns, answers, urls, str(model), pacing, fleet.checks * (name != "none"))
-        for server in servers:
+        for server in servers:  # a dead engine leaves its API server answering 500s
             if (why := server.failure()) is not None:
-                raise RuntimeError(why)
+                raise ServerFailed(why)
     finally:
         for server in servers:
             server.stop()

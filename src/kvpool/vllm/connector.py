@@ -8,8 +8,10 @@
 vLLM builds one instance per process and role. The scheduler role forwards to
 ``SchedulerSide`` (lookups, load and save plans), the worker role to
 ``WorkerSide`` (transfers); each hook here is a few lines. Loads are
-asynchronous (the request waits in WAITING_FOR_REMOTE_KVS); saves copy the
-blocks at the end of the forward and put them in the background. A save the
+asynchronous (the request waits in WAITING_FOR_REMOTE_KVS); saves are handed
+over at the end of the forward, copied from the blocks and put in the background
+(the copy inside the step only with KV events on or a group that frees blocks
+early: ``connector.worker``). A save the
 worker refused for local pressure (staging busy: the pool slower than the
 engine) is retried by that worker while the request holds its blocks, so a
 finished request with saves handed over keeps its blocks (``request_finished``

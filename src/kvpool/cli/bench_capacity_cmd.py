@@ -7,8 +7,6 @@ LRU cache of the same bytes on the same trace. Takes minutes.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
@@ -16,10 +14,10 @@ import click
 from rich.table import Table
 
 from kvpool.bench.capacity import CapacityBench, CapacityWorkload
-from kvpool.cli.bench_cmd import bench
+from kvpool.cli.bench_cmd import bench, print_result
 from kvpool.cli.bench_vllm_cmd import shape_or_fail
 from kvpool.cli.charts import Series, line_chart, plot_option
-from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
+from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table
 from kvpool.demo.shapes import SHAPES
 from kvpool.pool.local import LEASE_TTL_MS
 
@@ -161,12 +159,11 @@ def bench_capacity(
         result = run_capacity_bench(
             workdir or Path(tmp), shape=model_shape, workload=workload, on_progress=bars
         )
-    if table_only:
-        click.echo(table_rows(capacity_table(result)))
-    elif as_json:
-        click.echo(json.dumps(dataclasses.asdict(result)))
-    else:
-        console.print(capacity_table(result))
-    if plot is not None:
-        plot.write_text(capacity_chart(result))
-        click.echo(f"chart written to {plot}", err=True)
+    print_result(
+        result,
+        capacity_table,
+        table_only=table_only,
+        as_json=as_json,
+        plot=plot,
+        chart=capacity_chart,
+    )

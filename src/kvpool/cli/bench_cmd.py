@@ -9,6 +9,9 @@
     _pool_or_temporary(config, n) ``config``, or a temporary local pool with an
                                   ``n``-byte holder, stopped afterwards
     _sizes, _size, _label         size options (``256KiB,1MiB``) and size labels
+    print_result(result, table, ...)  what an engine bench prints: its table's rows
+                                  (``--table``), one JSON object (``--json``) or the
+                                  table and its legend; and its chart (``--plot``)
 
 The pool is ``--master HOST:PORT`` or, by default, the pool file of ``kvpool up``
 (``--pool-file`` to pick another). Table builders print nothing; a command
@@ -18,8 +21,11 @@ prints its table, or one JSON object with ``--json``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -27,7 +33,7 @@ import click
 from kvpool.config import PoolConfig, load_config, parse_size
 from kvpool.errors import ConfigError
 
-__all__ = ["TARGET_RATIO", "bench", "pool_options"]
+__all__ = ["TARGET_RATIO", "bench", "pool_options", "print_result"]
 
 TARGET_RATIO = 0.90  # ours/raw throughput we aim for
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,6 +42,33 @@ F = TypeVar("F", bound=Callable[..., Any])
 @click.group()
 def bench() -> None:
     """Measure a running pool."""
+
+
+def print_result(
+    result: Any,
+    table: Callable[[Any], Any],
+    *,
+    table_only: bool,
+    as_json: bool,
+    legend: Callable[[Any], str] | None = None,
+    plot: Path | None = None,
+    chart: Callable[[Any], str] | None = None,
+) -> None:
+    """Print a bench's dataclass ``result`` as its options ask (see the module
+    docstring); write ``chart(result)`` to ``plot`` when given."""
+    from kvpool.cli.console import console, table_rows
+
+    if table_only:
+        click.echo(table_rows(table(result)))
+    elif as_json:
+        click.echo(json.dumps(dataclasses.asdict(result)))
+    else:
+        console.print(table(result))
+        if legend is not None:
+            console.print(legend(result))
+    if plot is not None and chart is not None:
+        plot.write_text(chart(result))
+        click.echo(f"chart written to {plot}", err=True)
 
 
 def pool_options(

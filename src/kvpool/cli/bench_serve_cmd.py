@@ -7,8 +7,6 @@ row per connector and phase. Takes minutes: two server starts per connector.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
@@ -16,9 +14,9 @@ import click
 from rich.table import Table
 
 from kvpool.bench.serve import CONNECTORS, ServeBench, Workload
-from kvpool.cli.bench_cmd import bench
+from kvpool.cli.bench_cmd import bench, print_result
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
-from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
+from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table
 from kvpool.demo.shapes import SHAPES
 
 __all__ = ["serve_bench_table"]
@@ -104,9 +102,4 @@ def bench_serve(
             connectors=names,
             on_progress=bars,
         )
-    if table_only:
-        click.echo(table_rows(serve_bench_table(result)))
-    elif as_json:
-        click.echo(json.dumps(dataclasses.asdict(result)))
-    else:
-        console.print(serve_bench_table(result))
+    print_result(result, serve_bench_table, table_only=table_only, as_json=as_json)

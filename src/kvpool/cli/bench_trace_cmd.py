@@ -11,8 +11,6 @@ per configuration, and every turn's prefill on this machine.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import tempfile
 from pathlib import Path
 
@@ -22,10 +20,10 @@ from rich.table import Table
 from kvpool.bench.fleet import CONFIGS, ConfigRun, Fleet, TraceBench, percentile
 from kvpool.bench.replay import ROUTERS, Pacing
 from kvpool.bench.trace import Sample, TraceError, read_trace, select
-from kvpool.cli.bench_cmd import _size, bench
+from kvpool.cli.bench_cmd import _size, bench, print_result
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
 from kvpool.cli.charts import Series, line_chart, plot_option
-from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table, console, table_rows
+from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table
 from kvpool.demo.shapes import LLAMA3_8B_FLOP_PER_KV_BYTE, SHAPES
 
 __all__ = ["trace_chart", "trace_table"]
@@ -232,12 +230,6 @@ def bench_trace(
             configs=names,
             on_progress=bars,
         )
-    if table_only:
-        click.echo(table_rows(trace_table(result)))
-    elif as_json:
-        click.echo(json.dumps(dataclasses.asdict(result)))
-    else:
-        console.print(trace_table(result))
-    if plot is not None:
-        plot.write_text(trace_chart(result))
-        click.echo(f"chart written to {plot}", err=True)
+    print_result(
+        result, trace_table, table_only=table_only, as_json=as_json, plot=plot, chart=trace_chart
+    )

@@ -8,7 +8,6 @@ prompt at 128 KiB per token: tens of minutes on two cores).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -18,9 +17,9 @@ from rich import box
 from rich.table import Table
 
 from kvpool.bench.engines import EngineBench
-from kvpool.cli.bench_cmd import bench
+from kvpool.cli.bench_cmd import bench, print_result
 from kvpool.cli.charts import Series, line_chart, plot_option
-from kvpool.cli.console import TABLE_HELP, PhaseBars, console, table_rows
+from kvpool.cli.console import TABLE_HELP, PhaseBars
 from kvpool.demo.shapes import SHAPES, ModelShape, parse_shape
 from kvpool.errors import ConfigError
 from kvpool.settings import parse_extra
@@ -262,13 +261,12 @@ def bench_vllm(
             on_progress=bars,
             samples=samples,
         )
-    if table_only:
-        click.echo(table_rows(engine_bench_table(result)))
-    elif as_json:
-        click.echo(json.dumps(dataclasses.asdict(result)))
-    else:
-        console.print(engine_bench_table(result))
-        console.print(engine_bench_legend(result))
-    if plot is not None:
-        plot.write_text(engine_bench_chart(result))
-        click.echo(f"chart written to {plot}", err=True)
+    print_result(
+        result,
+        engine_bench_table,
+        table_only=table_only,
+        as_json=as_json,
+        legend=engine_bench_legend,
+        plot=plot,
+        chart=engine_bench_chart,
+    )

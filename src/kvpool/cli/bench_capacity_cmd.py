@@ -154,7 +154,7 @@ def bench_capacity(
     )
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-capacity-") as tmp,
-        PhaseBars(disable=table_only) as bars,
+        PhaseBars(disable=table_only or as_json) as bars,
     ):
         result = run_capacity_bench(
             workdir or Path(tmp), shape=model_shape, workload=workload, on_progress=bars

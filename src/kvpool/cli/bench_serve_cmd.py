@@ -93,7 +93,7 @@ def bench_serve(
     workload = Workload(prompts, prefixes, prefix_len, suffix_len, output_len, concurrency)
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-serve-") as tmp,
-        PhaseBars(disable=table_only) as bars,
+        PhaseBars(disable=table_only or as_json) as bars,
     ):
         result = run_serve_bench(
             workdir or Path(tmp),

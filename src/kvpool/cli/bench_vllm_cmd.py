@@ -250,7 +250,7 @@ def bench_vllm(
         raise click.BadParameter(str(exc), param_hint="--extra") from None
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-bench-") as tmp,
-        PhaseBars(disable=table_only) as bars,
+        PhaseBars(disable=table_only or as_json) as bars,
     ):
         result = run_engine_bench(
             workdir or Path(tmp),

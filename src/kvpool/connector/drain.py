@@ -110,13 +110,13 @@ class SaveBook:
                 continue
             left = self._retry.pop(req_id, None)
             self.freed([req_id])  # what its jobs in flight refuse later stays out
-            if (left or req_id in busy) and now - self._noted >= NOTE_INTERVAL_S:
+            if left and now - self._noted >= NOTE_INTERVAL_S:
                 self._noted = now
                 logger.warning(
-                    "kvpool: gave up saving %s of %s after %.0f s: the pool took too few "
-                    "puts meanwhile (staging busy or backing off); raise staging_bytes if "
-                    "the pool is healthy but slower than the engine",
-                    f"{len(left)} object(s)" if left else "what its saves in flight refuse",
+                    "kvpool: gave up saving %d object(s) of %s after %.0f s: the pool took "
+                    "too few puts meanwhile (staging busy or backing off); raise "
+                    "staging_bytes if the pool is healthy but slower than the engine",
+                    len(left),
                     req_id,
                     DRAIN_LIMIT_S,
                 )

@@ -146,28 +146,14 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
 def link_sessions(requests: Sequence[TraceRequest]) -> list[int | None]:
     """Per request, the index of the earlier request it continues (see the module
     docstring), or None. Linear in the trace's hash ids (a trie of prompts)."""
-    children: list[dict[int, int]] = [{}]  # trie: node -> hash id -> node
+    trie = _Trie()
     ends: dict[int, int] = {}  # node -> the latest request whose body (all but its last) ends there
     parents: list[int | None] = []
     for i, r in enumerate(requests):
-        node, parent = 0, None
-        for h in r.hash_ids[:-1]:  # a parent's body is a proper prefix of this prompt
-            nxt = children[node].get(h)
-            if nxt is None:
-                break
-            node = nxt
-            parent = ends.get(node, parent)
-        parents.append(parent)
-        node = 0
-        for depth, h in enumerate(r.hash_ids[:-1]):
-            nxt = children[node].get(h)
-            if nxt is None:
-                nxt = len(children)
-                children.append({})
-                children[node][h] = nxt
-            node = nxt
-            if depth == len(r.hash_ids) - 2 and depth + 1 >= MIN_SHARED:
-                ends[node] = i
+        body = trie.nodes(r.hash_ids[:-1])  # a parent's body is a proper prefix of this prompt
+        parents.append(next((ends[n] for n in reversed(body) if n in ends), None))
+        if len(body) >= MIN_SHARED:
+            ends[body[-1]] = i
     return parents
 
 
@@ -265,17 +251,17 @@ def select(requests: Sequence[TraceRequest], sample: Sample) -> list[Turn]:
     return turns
 
 
-class _Blocks:
-    """The whole blocks of prompts as trie nodes: a node names a prefix."""
+class _Trie:
+    """Prefixes of hash-id lists as nodes: equal prefixes, one node."""
 
     def __init__(self) -> None:
         self._children: list[dict[int, int]] = [{}]
 
-    def nodes(self, turn: Turn, block_tokens: int) -> list[int]:
-        """The nodes of ``turn``'s whole blocks, first block first."""
+    def nodes(self, ids: Sequence[int]) -> list[int]:
+        """The node of each prefix of ``ids``, shortest first (made where missing)."""
         out: list[int] = []
         node = 0
-        for h in turn.hash_ids[: turn.prompt_tokens // block_tokens]:
+        for h in ids:
             nxt = self._children[node].get(h)
             if nxt is None:
                 nxt = len(self._children)
@@ -284,6 +270,11 @@ class _Blocks:
             node = nxt
             out.append(node)
         return out
+
+
+def _whole_blocks(trie: _Trie, turn: Turn, block_tokens: int) -> list[int]:
+    """The nodes of ``turn``'s whole blocks, first block first."""
+    return trie.nodes(turn.hash_ids[: turn.prompt_tokens // block_tokens])
 
 
 def _hit(turn: Turn, nodes: Sequence[int], cached: Container[int], block_tokens: int) -> int:
@@ -301,11 +292,11 @@ def reuse(
     """Per turn, in order, the prompt tokens a cache serves (see the module
     docstring): every whole block computed earlier (``capacity_blocks`` None), or
     what an LRU cache of that many blocks still holds."""
-    blocks = _Blocks()
+    trie = _Trie()
     cached: OrderedDict[int, None] = OrderedDict()  # node -> None, least recent first
     out = []
     for t in turns:
-        nodes = blocks.nodes(t, block_tokens)
+        nodes = _whole_blocks(trie, t, block_tokens)
         out.append(_hit(t, nodes, cached, block_tokens))
         for node in reversed(nodes):  # the first block used last: evicted last
             cached[node] = None
@@ -325,8 +316,8 @@ def reuse_after(
     """Per turn, the prompt tokens of whole blocks that turns answered before it was
     sent (``finished`` earlier than its ``sent`` time; None: never answered) had
     computed: what a cache with instant saves could have served it."""
-    blocks = _Blocks()
-    nodes = [blocks.nodes(t, block_tokens) for t in turns]
+    trie = _Trie()
+    nodes = [_whole_blocks(trie, t, block_tokens) for t in turns]
     done = sorted((f, i) for i, f in enumerate(finished) if f is not None)
     computed: set[int] = set()
     out = [0] * len(turns)

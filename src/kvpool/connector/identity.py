@@ -8,6 +8,11 @@
                                     state moving on), or None: the one rule for
                                     drains (the scheduler) and zero copy (workers)
     identity.keeps_blocks           no group does
+    identity.holds_for_saves(events)
+                                    vLLM keeps a finished request's blocks until
+                                    its saves are done: the one rule for drains
+                                    (the scheduler), retries and saves copied off
+                                    the forward's path (workers)
 
 Pure; ``kvpool.vllm.identity.engine_identity`` reads one from vLLM's config.
 """
@@ -40,6 +45,12 @@ class EngineIdentity:
         """Every KV group keeps a running request's blocks until it finishes or is
         preempted (no sliding window, no Mamba state moving on), on every rank."""
         return self.frees_blocks_early() is None
+
+    def holds_for_saves(self, events: bool) -> bool:
+        """vLLM keeps a finished request's blocks until its saves are done: with KV
+        events off (a chunk's event waits for its save, never the blocks) and every
+        group keeping a running request's blocks."""
+        return not events and self.keeps_blocks
 
     def frees_blocks_early(self, groups: Iterable[int] | None = None) -> GroupSpec | None:
         """The first KV group (of vLLM's group indices ``groups``; all by default)

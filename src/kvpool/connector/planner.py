@@ -196,7 +196,7 @@ class Planner:
         # Workers retry a refused save while vLLM keeps the request's blocks (the
         # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
         # then kept until its saves are done.
-        self._drains = not events and identity.keeps_blocks and self.saves
+        self._drains = identity.holds_for_saves(events) and self.saves
         # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off
         # (the block holding the state after exactly that chunk), never by position.
         self._states = frozenset(

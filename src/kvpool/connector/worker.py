@@ -124,7 +124,6 @@ class Worker:
         # Save jobs by request, refused objects to retry, finishing requests (set
         # up in ``register``, once the groups tell whether retries are allowed)
         self._book = SaveBook(retries=False)
-        self._deferred = False  # saves staged off the forward's path (``register``)
         self._released: set[str] = set()  # to report as finished sending
         self._unfinished_without_engine: set[str] = set()
         # Loads by layer (``RequestOps.by_layer``): this step's jobs per layer band,
@@ -172,11 +171,7 @@ class Worker:
             )
             return
         self._groups = groups
-        # vLLM keeps a finished request's blocks until its saves are done (the
-        # planner's drains): saves then copy their blocks off the forward's path.
-        keeps = not self._events and self.identity.keeps_blocks
-        self._deferred = keeps
-        self._book = SaveBook(retries=keeps)
+        self._book = SaveBook(retries=self.identity.holds_for_saves(self._events))
         try:
             self.store, self.engine = self._open()
         except ConfigError:
@@ -201,7 +196,8 @@ class Worker:
                 zero_copy=zero_copy,
                 blocks_per_object=self.identity.blocks_per_chunk,
                 prefault=True,  # a fresh engine's first loads at full speed
-                deferred_saves=self._deferred,
+                # vLLM keeps the blocks until saves are done: copy them off the step
+                deferred_saves=self.identity.holds_for_saves(self._events),
             )
         except BaseException:
             if store is not self._kv_home:
@@ -512,7 +508,11 @@ class Worker:
             done.add(req_id)
             if self._load_ended(req_id, hashes, result):
                 failed.add(req_id)
-        reading = self.engine.reading(self._book.jobs) if self.engine is not None else ()
+        reading = (
+            self.engine.reading(self._book.jobs)
+            if self.engine is not None and self._book.has_finishing
+            else ()
+        )
         self._released |= self._book.release(
             time.monotonic(), pool=self.engine is not None, reading=reading
         )

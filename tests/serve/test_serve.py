@@ -64,11 +64,14 @@ def test_the_vllm_command_runs_under_the_cpu_build() -> None:
     assert out.stdout.strip().splitlines()[-1].startswith("0.32.0")
 
 
-def saved_all(server: VllmServer, objects: int) -> None:
-    """Wait until the server's workers have put ``objects`` objects in the pool."""
+def saved_all(server: VllmServer, objects: int, engine: int | None = None) -> None:
+    """Wait until the server's workers (of one DP engine, or all) have put ``objects``
+    objects in the pool. An engine puts a key once (a save skips keys it put or is
+    putting), so with each prompt's saves on one engine the count is of distinct
+    objects; the sum over engines that saved the same prompt would not be."""
 
     def saved() -> float:
-        return metric(server, "vllm:kvpool_chunks_saved_total")
+        return metric(server, "vllm:kvpool_chunks_saved_total", engine)
 
     assert wait_until(lambda: saved() >= objects, 60, step=0.2), (saved(), objects)
 
@@ -128,7 +131,8 @@ def test_dp_engines_share_prefixes_across_engines_restarts_and_launch_shapes(
     # The references: each prompt again on its engine, a local prefix-cache hit.
     local = {1: server.complete(p1, dp_rank=0), 2: server.complete(p2, dp_rank=1)}
     # Saves are asynchronous: a later request finds what the pool holds by then.
-    saved_all(server, sum(len(p) // BLOCK for p in (p1, p2)) * KV_HEADS)
+    for engine, p in enumerate((p1, p2)):  # neither engine has saved the other's prompt
+        saved_all(server, len(p) // BLOCK * KV_HEADS, engine)
     # Each prompt on the other engine: its local cache never saw it, the pool did.
     other = {1: server.complete(p1, dp_rank=1), 2: server.complete(p2, dp_rank=0)}
     for k in (1, 2):

@@ -773,6 +773,32 @@ def test_a_save_that_sees_no_staging_freed_is_refused_as_retryable_and_never_sto
     assert store.batch_exists(keys) == [Status.OK] * 13
 
 
+def test_a_key_another_save_is_putting_is_skipped_and_reported_only_by_that_save() -> None:
+    """A local prefix hit saves its whole prompt; while the first save of that prefix
+    is still putting, the second one puts only what is new. The keys it skipped are
+    not reported stored by it (KV events count each object once)."""
+    store = _StuckPuts()
+    src = cpu_layers(2)
+    randomize(src, 35)
+    e = TransferEngine(store, [src], NB, staging_bytes=64 << 20)
+    prefix = [ChunkRef(f"p{i}", 0, i, (i,)) for i in range(4)]
+    assert e.submit_save("first", prefix)
+    assert e.submit_save("again", [*prefix, ChunkRef("new", 0, 4, (4,))])
+    store.release.set()
+    results = {r.job_id: r for r in e.wait(["first", "again"], timeout=30)}
+    first, again = results["first"], results["again"]
+    assert first.statuses == {f"p{i}": Status.OK for i in range(4)}
+    assert again.statuses == {"new": Status.OK} and again.skipped == 4 and again.known == ()
+    assert again.ok  # nothing refused: the skipped keys are the first save's to report
+    stats = e.stats()
+    assert (stats.chunks_put, stats.chunks_skipped_putting, stats.chunks_skipped_known) == (5, 4, 0)
+    # Once put, the keys are known: a third save skips them as stored recently.
+    assert e.submit_save("third", prefix[:2])
+    (third,) = e.wait(["third"], timeout=30)
+    assert third.known == ("p0", "p1") and third.statuses == {}
+    e.close()
+
+
 class _SlowPrefault(_StagingOnly):
     """A shared-memory store whose ``prefault`` runs until ``done`` is set: a
     loaded host where touching staging takes long."""

@@ -437,7 +437,8 @@ def test_retries_stop_at_the_drain_limit_and_when_the_blocks_are_freed(
 
     release = threading.Event()
     worker, _, _ = slow_worker(release)
-    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3]), ops("p", [4, 5, 6])]))
+    p = RequestOps("p", tuple(ChunkOp(i, bytes([20 + i]) * 8, ((4 + i,),)) for i in range(3)))
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2, 3]), p]))  # other prompts
 
     def refused() -> int:  # a's third object, after its wait for staging, then all of p's
         stats = worker.stats()

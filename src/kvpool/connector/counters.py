@@ -30,8 +30,7 @@ def stats_delta(
     return {
         "chunks_saved": now.chunks_put - before.chunks_put,
         "bytes_saved": now.bytes_put - before.bytes_put,
-        "chunks_skipped": (now.chunks_skipped_known + now.chunks_skipped_exist)
-        - (before.chunks_skipped_known + before.chunks_skipped_exist),
+        "chunks_skipped": _skipped(now) - _skipped(before),
         "saves_refused": sum(now.saves_refused.values()) - sum(before.saves_refused.values()),
         "chunks_refused": sum(now.chunks_refused.values()) - sum(before.chunks_refused.values()),
         "chunks_loaded": now.chunks_loaded - before.chunks_loaded,
@@ -48,3 +47,8 @@ def stats_delta(
 def interval_empty(data: Mapping[str, Any]) -> bool:
     """No counter of ``ACTIVE`` moved in this interval."""
     return not any(data.get(k) for k in ACTIVE)
+
+
+def _skipped(stats: TransferStats) -> int:
+    """Chunks a save did not put: stored recently, already there, or being put."""
+    return stats.chunks_skipped_known + stats.chunks_skipped_exist + stats.chunks_skipped_putting

@@ -81,6 +81,7 @@ class TransferStats:
     saves_refused: Counter[str] = field(default_factory=Counter)  # reason -> jobs
     chunks_put: int = 0  # put OK (on Mooncake also duplicates, which it cannot tell)
     chunks_skipped_known: int = 0
+    chunks_skipped_putting: int = 0  # another save job of this engine was putting the key
     chunks_skipped_exist: int = 0  # put reported EXISTS (stores that tell)
     bytes_put: int = 0
     loads_submitted: int = 0
@@ -136,6 +137,7 @@ class Job:
     started: float = 0.0  # loads: when the load thread took it (0: not yet)
     skipped: int = 0
     known: list[str] = field(default_factory=list)  # saves: keys skipped as stored recently
+    claimed: tuple[str, ...] = ()  # saves: keys this job puts (no other job of ours may)
     pieces: list[tuple[int, int]] = field(default_factory=list)  # chunk ranges moved together
     # Saves: pieces staged so far (the caller stages piece by piece while the put
     # thread waits on ``TransferEngine._stage_cond``), and why the caller stopped

@@ -2,11 +2,11 @@
 
     Saves(core, arena, budget, wait_s, backoff_s, zero_copy, enqueue, backlog,
           stage_later=None)
-    submit(job_id, chunks)   the caller's thread: skip keys stored recently, queue
-                             the job, then stage it piece by piece (waiting while
-                             puts free staging), or hand it to ``stage_later`` (the
-                             stage thread then calls ``stage``); False when some
-                             of it was refused by then
+    submit(job_id, chunks)   the caller's thread: skip keys stored recently or being
+                             put by another job, queue the job, then stage it piece
+                             by piece (waiting while puts free staging), or hand it
+                             to ``stage_later`` (the stage thread then calls
+                             ``stage``); False when some of it was refused by then
     stage(job)               copy a queued job's blocks into staging, piece by piece
     reading(job_ids)         those jobs that may still read KV blocks (zero copy:
                              until they end; ``stage_later``: until staged)
@@ -35,6 +35,12 @@ slows the engine's saves as a full pool should, rather than dropping them); only
 what is still refused then is dropped, counted (``failures["no_space"]``) and
 logged with what to change. ``puts_no_space`` counts objects that met a full
 pool at least once.
+
+Duplicates: a key that another save job of this engine is putting (claimed at its
+submit, until it finished) is skipped, as a key stored recently is, but is not
+reported stored: the job putting it reports it. Without this, every request that
+hits a prefix in vLLM's local cache while that prefix's save is still queued put
+it again (a local hit saves its whole prompt: the pool may have lost it).
 
 Eviction order: Mooncake evicts the objects whose last put or read is oldest
 first, and the objects of one put call in the order given. A put call lists its
@@ -123,16 +129,22 @@ class Saves:
         is staged; False if some were refused."""
         core = self.core
         job = Job(job_id, "save", [], time.monotonic())
+        putting = 0
         with core.known_lock:
             for c in sorted(chunks, key=lambda c: (c.group, c.chunk)):
                 if c.key in core.known:
-                    job.skipped += 1
                     job.known.append(c.key)
+                elif c.key in core.putting:
+                    putting += 1
                 else:
                     job.chunks.append(c)
+            job.claimed = tuple(c.key for c in job.chunks)
+            core.putting.update(job.claimed)
+        job.skipped = len(job.known) + putting
         with core.counting():
             core.stats.saves_submitted += 1
-            core.stats.chunks_skipped_known += job.skipped
+            core.stats.chunks_skipped_known += len(job.known)
+            core.stats.chunks_skipped_putting += putting
         if not job.chunks:
             self.finish(job, {})
             return True
@@ -393,6 +405,8 @@ class Saves:
 
     def finish(self, job: Job, statuses: dict[str, Status], nbytes: int = 0) -> None:
         self._read_done(job.job_id)  # zero copy: read until now
+        with self.core.known_lock:  # after ``run``'s remember: no gap for a duplicate
+            self.core.putting.difference_update(job.claimed)
         skipped = job.skipped + list(statuses.values()).count(Status.EXISTS)
         self.core.publish(
             JobResult(

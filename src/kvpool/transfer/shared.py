@@ -7,6 +7,8 @@
     known / remember(keys) / forget(keys)
                         keys stored or loaded recently (saves skip them without
                         a store call); bounded, oldest dropped first
+    putting             keys a save job of this engine is putting now (a later
+                        save skips them: see ``kvpool.transfer.saves``)
     counting()          hold the counters' lock to change ``stats``
     snapshot()          a copy of the counters; ``version`` changes with them
     publish(result)     a finished job, for ``take``, ``wait_any`` and ``wait``
@@ -59,6 +61,7 @@ class Shared:
         self.staging_base = staging_base
         self.known: OrderedDict[str, None] = OrderedDict()
         self.known_lock = threading.Lock()
+        self.putting: set[str] = set()  # under known_lock
         self._known_max = known_keys
         self.stats = TransferStats()
         self._stats_lock = threading.Lock()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what kvpool needs on a fresh Debian machine, idempotently:
-# the Debian packages libibverbs1 (Mooncake links it even for TCP) and iproute2
-# (the hosts test tier), and a virtual environment .venv with kvpool and its extras.
+# the Debian packages libibverbs1 (Mooncake links it even for TCP), iproute2 (the
+# hosts test tier) and etcd-server (HA masters), and a virtual environment .venv
+# with kvpool and its extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,15 @@ if ! command -v ip >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq iproute2 >/dev/null
+fi
+
+# etcd-server: `kvpool up --ha` (HA masters elect their leader through etcd), and
+# the tests of it. The package's own service is not used (kvpool starts etcd).
+if ! command -v etcd >/dev/null 2>&1; then
+  echo "setup: installing the Debian package etcd-server" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server >/dev/null
 fi
 
 PY=${PYTHON:-python3}

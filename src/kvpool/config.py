@@ -11,6 +11,8 @@
                                ``ConfigError`` if it is there but unreadable,
                                malformed or holds an unknown key
     did_you_mean(word, known)  "; did you mean X?" for the closest known name, or ""
+    master_endpoints(address)  host:port of the master, or of the etcd servers that
+                               name the leader of HA masters (``etcd://A;B``)
 
 One rule for a pool file: absent (no file where one is looked for) means no
 pool (``PoolNotFound``: an engine serves without one, saying so once); present
@@ -41,11 +43,14 @@ from kvpool.errors import ConfigError, PoolNotFound
 
 __all__ = [
     "ENV_PREFIX",
+    "ETCD_SCHEME",
     "POOL_FILE_FACTS",
     "PoolConfig",
     "did_you_mean",
     "documented",
+    "is_ha",
     "load_config",
+    "master_endpoints",
     "parse_bool",
     "parse_number",
     "parse_size",
@@ -125,7 +130,11 @@ class PoolConfig:
     may use Mooncake's shared-memory path to it.
     """
 
-    master_address: str = documented("", "host:port of mooncake_master.")
+    master_address: str = documented(
+        "",
+        "host:port of mooncake_master, or etcd://HOST:PORT[;HOST:PORT...] for HA masters "
+        "(`kvpool up --ha`): clients find the leader through etcd.",
+    )
     metadata_server: str = documented("P2PHANDSHAKE", "Mooncake's metadata server.")
     protocol: str = documented("tcp", "tcp or rdma.")
     device_name: str = documented("", "RDMA devices; empty for tcp.")
@@ -164,8 +173,8 @@ class PoolConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.master_address and not _is_host_port(self.master_address):
-            raise ConfigError(f"master_address must be host:port, got {self.master_address!r}")
+        if self.master_address:
+            master_endpoints(self.master_address)  # raises on a malformed value
         if self.holder_address and not _is_host_port(self.holder_address):
             raise ConfigError(f"holder_address must be host:port, got {self.holder_address!r}")
         self.holders_by_tenant()  # raises on a malformed value
@@ -225,7 +234,8 @@ _SIZES = {"global_segment_size", "local_buffer_size"}
 # processes (``LocalPool.pool_file_data``), read by ``kvpool status`` and ``down``.
 POOL_FILE_FACTS = frozenset(
     {"host", "master_pid", "holder_pid", "segment_size", "client_ttl", "lease_ttl_ms",
-     "created", "disk_dir", "disk_bytes", "quotas", "tenant_holder_pids"}
+     "created", "disk_dir", "disk_bytes", "quotas", "tenant_holder_pids", "ha_masters",
+     "master2_pid", "etcd_pid"}
 )  # fmt: skip
 
 
@@ -233,6 +243,30 @@ def did_you_mean(word: str, known: Iterable[str]) -> str:
     """``"; did you mean X?"`` for the known name closest to ``word``, or ``""``."""
     close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""
+
+
+ETCD_SCHEME = "etcd://"
+
+
+def master_endpoints(master_address: str) -> list[str]:
+    """The host:port endpoints a client of ``master_address`` connects to first: the
+    master itself, or (``etcd://A;B``, HA masters) the etcd servers that name the
+    leader. ``ConfigError`` for anything else."""
+    if master_address.startswith(ETCD_SCHEME):
+        parts = master_address.removeprefix(ETCD_SCHEME).split(";")
+        if all(_is_host_port(p) for p in parts):
+            return parts
+    elif _is_host_port(master_address):
+        return [master_address]
+    raise ConfigError(
+        f"master_address must be host:port or etcd://HOST:PORT[;HOST:PORT...], "
+        f"got {master_address!r}"
+    )
+
+
+def is_ha(master_address: str) -> bool:
+    """Whether clients find the master through etcd (HA masters)."""
+    return master_address.startswith(ETCD_SCHEME)
 
 
 def _is_host_port(s: str) -> bool:
@@ -368,7 +402,7 @@ def route_address(master_address: str) -> str:
     """This machine's address on the route to ``master_address`` (HOST:PORT): what a
     client here advertises to the pool's other hosts (``local_hostname: auto``, as
     a pool file of ``kvpool up --host`` says). Sends no packet."""
-    host = master_address.rpartition(":")[0]
+    host = master_endpoints(master_address)[0].rpartition(":")[0] if master_address else ""
     if not host:
         raise ConfigError("local_hostname 'auto' needs a master_address to find the route to")
     try:

@@ -67,6 +67,8 @@ def test_no_pool_at_all_is_pool_not_found(tmp_path: Path) -> None:
         ({"checksum": "maybe"}, {}, "checksum must be true or false"),
         ({"master_adress": "127.0.0.1:1"}, {}, "unknown pool setting(s) master_adress"),
         ({}, {"KVPOOL_MASTER_ADDRESS": "nohost"}, "master_address must be host:port"),
+        ({"master_address": "etcd://nohost"}, {}, "or etcd://HOST:PORT[;HOST:PORT...]"),
+        ({"master_address": "etcd://127.0.0.1:2379;x"}, {}, "master_address must be"),
     ],
 )
 def test_a_bad_setting_is_a_config_error_not_an_absent_pool(
@@ -76,6 +78,27 @@ def test_a_bad_setting_is_a_config_error_not_an_absent_pool(
         load_config(extra, env={"KVPOOL_HOME": str(tmp_path), **env})
     assert not isinstance(raised.value, PoolNotFound)
     assert needle in str(raised.value)
+
+
+def test_an_ha_pool_is_named_by_its_etcd_endpoints(tmp_path: Path) -> None:
+    from kvpool.config import is_ha, master_endpoints, route_address
+
+    config = load_config({"master_address": "etcd://127.0.0.1:2379;127.0.0.2:2379"}, env=NO_HOME)
+    assert is_ha(config.master_address) and config.require_master().startswith("etcd://")
+    assert master_endpoints(config.master_address) == ["127.0.0.1:2379", "127.0.0.2:2379"]
+    assert master_endpoints("127.0.0.1:50051") == ["127.0.0.1:50051"]
+    assert route_address(config.master_address) == "127.0.0.1"  # the route to the first
+
+
+def test_a_pool_file_naming_ha_masters_needs_an_etcd_address(tmp_path: Path) -> None:
+    from kvpool.pool import LocalPool
+
+    path = tmp_path / "pool.json"
+    path.write_text('{"master_address": "127.0.0.1:1", "ha_masters": "127.0.0.1:2,127.0.0.1:3"}')
+    with pytest.raises(ConfigError, match="ha_masters goes with an etcd:// master_address"):
+        LocalPool.attach(path)
+    path.write_text('{"master_address": "etcd://127.0.0.1:1"}')  # a holder that joined one
+    assert LocalPool.attach(path).etcd_endpoint == "127.0.0.1:1"
 
 
 @pytest.mark.parametrize("bad", ["nan", float("nan"), "inf", float("-inf"), True, "ten", None])

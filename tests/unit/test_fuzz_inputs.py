@@ -768,7 +768,7 @@ def test_bad_arguments_exit_nonzero_with_one_line(
         (b"[1, 2]", "must hold a JSON object"),
         (b'{"master_address": 5}', "no master_address"),
         (b"{}", "no master_address"),
-        (b'{"master_address": "nohost", "master_pid": 1}', "not HOST:PORT"),
+        (b'{"master_address": "nohost", "master_pid": 1}', "master_address must be host:port"),
     ],
 )
 def test_status_on_a_bad_pool_file_exits_nonzero_with_one_line(

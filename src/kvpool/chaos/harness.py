@@ -203,13 +203,18 @@ class RowEnv:
     pools: list[LocalPool] = field(default_factory=list)
 
     def pool(
-        self, segment_size: int = 64 << 20, client_ttl: int = 2, lease_ttl_ms: int = 1000
+        self,
+        segment_size: int = 64 << 20,
+        client_ttl: int = 2,
+        lease_ttl_ms: int = 1000,
+        ha: bool = False,
     ) -> LocalPool:
         pool = LocalPool.start(
             self.ctx.workdir / self.name / f"pool{len(self.pools)}",
             segment_size=segment_size,
             client_ttl=client_ttl,
             lease_ttl_ms=lease_ttl_ms,
+            ha=ha,
         )
         self.pools.append(pool)
         return pool
@@ -224,9 +229,12 @@ def raw_client(pool: LocalPool) -> Iterator[Any]:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", pool.master_address)
+    # HA: the leader itself (Mooncake has one etcd client per process, and rows of
+    # several HA pools run in this one)
+    master = pool.leader_address() if pool.ha_masters else pool.master_address
+    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master)
     if rc != 0:
-        raise RowFailed(f"cannot connect a client to {pool.master_address} (rc {rc})")
+        raise RowFailed(f"cannot connect a client to {master} (rc {rc})")
     try:
         yield store
     finally:

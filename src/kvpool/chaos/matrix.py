@@ -9,8 +9,9 @@
     run_matrix(workdir, names=None, progress=None) -> list[Outcome]
 
 The harness (context, row records, helpers) is ``kvpool.chaos.harness``; the rows
-are ``pool_rows`` (the pool's processes, memory and bytes) and ``engine_rows``
-(the engine's lookup socket, config and process).
+are ``pool_rows`` (the pool's processes, memory and bytes), ``engine_rows``
+(the engine's lookup socket, config and process) and ``ha_rows`` (HA masters:
+the leader, the standby, both, etcd).
 
 The promise every engine row checks: the engine process stays up, every request
 completes, its greedy tokens and logprobs equal the baseline's, the fault shows
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvpool.chaos import engine_rows, pool_rows
+from kvpool.chaos import engine_rows, ha_rows, pool_rows
 from kvpool.chaos.harness import ChaosContext, Outcome, Progress, Row, RowFailed, run_row
 from kvpool.errors import ConfigError
 
@@ -142,6 +143,34 @@ ROWS: list[Row] = [
         "restarted engine recomputes and saves",
         engine_rows.engine_killed,
         2,
+    ),
+    Row(
+        "ha-leader-killed",
+        "HA masters: the leader killed while the engine serves",
+        f"misses until the standby leads (< {ha_rows.FAILOVER_S:.0f} s), >= 99% objects kept",
+        ha_rows.leader_killed,
+        1,
+    ),
+    Row(
+        "ha-standby-killed",
+        "HA masters: the standby killed",
+        "nothing: every phase hits, no lookup fails",
+        ha_rows.standby_killed,
+        1,
+    ),
+    Row(
+        "ha-etcd-killed",
+        f"HA masters: etcd killed for {ha_rows.ETCD_DOWN_S:.0f} s while the leader lives",
+        "the leader steps down (misses); etcd back: hits, >= 99% objects kept",
+        ha_rows.etcd_killed,
+        1,
+    ),
+    Row(
+        "ha-masters-killed",
+        "HA masters: both killed, one restarted",
+        "misses while none runs; the restarted one replays etcd's log: hits again",
+        ha_rows.masters_killed,
+        1,
     ),
 ]
 

@@ -16,6 +16,7 @@ import click
 
 # importing a bench_*_cmd module registers its `kvpool bench` command
 from kvpool.cli import bench_capacity_cmd as _bench_capacity  # noqa: F401
+from kvpool.cli import bench_ha_cmd as _bench_ha  # noqa: F401
 from kvpool.cli import bench_lookup_cmd as _bench_lookup  # noqa: F401
 from kvpool.cli import bench_report_cmd as _bench_report  # noqa: F401
 from kvpool.cli import bench_serve_cmd as _bench_serve  # noqa: F401

@@ -40,7 +40,7 @@ from kvpool.cli.pool_render import (
     status_view,
     up_summary,
 )
-from kvpool.config import parse_size, pool_file_path
+from kvpool.config import master_endpoints, parse_size, pool_file_path
 from kvpool.errors import ConfigError, KVPoolError, StoreUnavailable
 from kvpool.pool import (
     LocalPool,
@@ -90,9 +90,12 @@ def _check_metrics_url(url: str) -> None:
 def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
-    host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-        raise click.BadParameter(f"must be HOST:PORT, got {value!r}")
+    try:
+        master_endpoints(value)
+    except ConfigError:
+        raise click.BadParameter(
+            f"must be HOST:PORT (a master) or etcd://HOST:PORT (an HA pool's etcd), got {value!r}"
+        ) from None
     return value
 
 
@@ -174,7 +177,14 @@ def _quotas(values: tuple[str, ...]) -> dict[str, int]:
     default=None,
     metavar="HOST:PORT",
     callback=_host_port,
-    help="Join this existing master: start only a holder.",
+    help="Join this existing master (etcd://HOST:PORT: an HA pool's etcd): start only a holder.",
+)
+@click.option(
+    "--ha",
+    is_flag=True,
+    help="No single point of failure in the masters: start etcd and two masters in "
+    "Mooncake's HA mode (the standby replays the leader's log and takes over when it "
+    "dies, objects kept). Needs Debian's etcd-server.",
 )
 @click.option(
     "--metrics-url",
@@ -232,8 +242,14 @@ def up(
     disk_dir: Path | None,
     disk_size: int | None,
     quotas: dict[str, int],
+    ha: bool,
 ) -> None:
     """Start a local pool (master + holder) in the background."""
+    if ha and master is not None:
+        raise click.UsageError(
+            "--ha starts the pool's own masters; to join an HA pool, give --master "
+            "etcd://HOST:PORT (its etcd) without --ha"
+        )
     if quotas and master is not None:
         raise click.UsageError("--quota starts a pool of its own: it does not go with --master")
     if metrics_url and master is None:
@@ -268,6 +284,7 @@ def up(
             disk_dir=disk_dir or "",
             disk_bytes=disk_size or 0,
             quotas=quotas,
+            ha=ha,
         )
         try:
             pool.write_pool_file(path)
@@ -309,7 +326,7 @@ def _head_reader(pool: LocalPool) -> Iterator[Any]:
 
     with mooncake_quiet():
         try:
-            store = MooncakeStore(pool.config())
+            store = MooncakeStore(pool.command_config())
         except KVPoolError as exc:
             logging.getLogger(__name__).info("cannot read object headers: %s", exc)
             yield None

@@ -12,6 +12,7 @@ Builders return rich renderables or plain data and print nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -23,6 +24,7 @@ from rich.table import Table
 
 from kvpool.pool import LocalPool, NamespaceSummary, PoolStatus
 from kvpool.pool.quotas import DEFAULT_TENANT, registered
+from kvpool.pool.status import MasterState
 
 __all__ = [
     "format_age",
@@ -106,7 +108,13 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("master", f"{pool.master_address}  ({_process_label(pool, 'master')})")
+    if pool.ha_masters:
+        t.add_row("etcd", f"{pool.etcd_endpoint}  ({_process_label(pool, 'etcd')})")
+        for name, address in zip(("master", "master-2"), pool.ha_masters, strict=False):
+            t.add_row(name, f"{address}  ({_process_label(pool, name)}, HA)")
+        t.add_row("", f"engines and holders find the leader at {pool.master_address}")
+    else:
+        t.add_row("master", f"{pool.master_address}  ({_process_label(pool, 'master')})")
     t.add_row(
         "holder",
         f"{pool.holder_address}  ({_process_label(pool, 'holder')}, "
@@ -118,14 +126,16 @@ def up_summary(pool: LocalPool, pool_file: Path) -> Table:
             f"{address}  (holder of its share, {format_bytes(pool.quotas.get(tenant))}; "
             f"quota {format_bytes(registered(pool.quotas.get(tenant, 0)))})",
         )
-    t.add_row("metrics", f"{pool.metrics_url}/metrics" if pool.metrics_url else "unknown")
+    urls = [f"{u}/metrics" for u in pool.metrics_url.split(",") if u]
+    t.add_row("metrics", ", ".join(urls) or "unknown")
     t.add_row("pool file", str(pool_file))
     if pool.secret:
         t.add_row("secret", "objects are signed; the secret is in the pool file (mode 0600)")
     if pool.disk_dir:
         limit = f", at most {format_bytes(pool.disk_bytes)}" if pool.disk_bytes else ""
         t.add_row("disk", f"evicted objects kept in {pool.disk_dir}{limit}")
-    t.add_row("logs", f"{pool.home / 'master.log'}, {pool.home / 'holder.log'}")
+    logs = ["etcd", "master", "master-2"] if pool.ha_masters else ["master"]
+    t.add_row("logs", ", ".join(str(pool.home / f"{n}.log") for n in [*logs, "holder"]))
     return t
 
 
@@ -135,7 +145,14 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("pool file", str(pool_file))
-    t.add_row("master", f"{status.master_address}  ({_process_label(status, 'master')})")
+    if status.masters:  # HA: etcd names the leader
+        etcd = _process_label(status, "etcd")
+        health = "[red]" + status.etcd + "[/red]" if status.etcd else "healthy"
+        t.add_row("master", f"{status.master_address}  (etcd, {etcd}): {health}")
+        for m in status.masters:
+            t.add_row(f"  {m.name}", _master_line(status, m))
+    else:
+        t.add_row("master", f"{status.master_address}  ({_process_label(status, 'master')})")
     if status.holder_address:
         t.add_row("holder", f"{status.holder_address}  ({_process_label(status, 'holder')})")
     if not status.reachable:
@@ -177,6 +194,15 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
     return t
 
 
+def _master_line(status: PoolStatus, m: MasterState) -> str:
+    label = f"{m.address}  ({_process_label(status, m.name)})"
+    if m.role == "down":
+        return f"{label}: [red]down[/red]"
+    view = "" if m.view is None else f", view {m.view}"
+    colour = "green" if m.role == "leader" else "default"
+    return f"{label}: [{colour}]{m.role}[/{colour}] ({m.state}{view})"
+
+
 def _host_keys(status: PoolStatus, host: str) -> str:
     if not status.host_keys_sampled:
         return ""
@@ -215,6 +241,12 @@ def status_view(status: PoolStatus, pool_file: Path) -> Group:
     return Group(*parts)
 
 
+def _ha_json(status: PoolStatus) -> dict[str, Any]:
+    if not status.masters:
+        return {}
+    return {"masters": [dataclasses.asdict(m) for m in status.masters], "etcd_error": status.etcd}
+
+
 def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
     """``kvpool status --json``: the same facts as one JSON object."""
     ns = status.namespaces
@@ -223,6 +255,7 @@ def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:
         "master_address": status.master_address,
         "holder_address": status.holder_address,
         "metrics_url": status.metrics_url,
+        **_ha_json(status),
         "processes": [{"role": r, "pid": p, "running": ok} for r, p, ok in status.processes],
         "reachable": status.reachable,
         "error": status.error,

@@ -126,7 +126,7 @@ def purge(
     if older_than is not None and keys:
         what += f" written over {format_age(older_than)} ago"
         cutoff = int((time.time() - older_than) * 1000)
-        with mooncake_quiet(), MooncakeStore(pool.config()) as store:
+        with mooncake_quiet(), MooncakeStore(pool.command_config()) as store:
             times = written_times(store.read_heads, keys)
         unknown = sum(t is None for t in times.values())
         keys = written_before(times, cutoff)
@@ -149,7 +149,7 @@ def purge(
             soft_wrap=True,
         )
         return
-    with mooncake_quiet(), MooncakeStore(pool.config()) as store:
+    with mooncake_quiet(), MooncakeStore(pool.command_config()) as store:
         result = remove(store, keys, wait_s=wait)
     _console().print(
         f"kvpool purge: removed {result.removed} objects of {what} ({approx}{format_bytes(size)}"
@@ -180,7 +180,7 @@ def _purge_quota_tenant(pool: LocalPool, tenant: str, dry_run: bool, wait: float
         return
     removed = 0
     deadline = time.monotonic() + wait
-    with mooncake_quiet(), MooncakeStore(pool.config().for_tenant(tenant)) as store:
+    with mooncake_quiet(), MooncakeStore(pool.command_config().for_tenant(tenant)) as store:
         while True:
             removed += store.remove_prefix(ROOT_PREFIX)
             left = tenant_usage(pool.metrics()).get(tenant, (0, 0))[0]

@@ -52,6 +52,12 @@ retires the store and transfer engine (closed on a background thread), and opens
 new ones on a background thread, retrying with a growing back-off; meanwhile
 loads fail fast and saves are skipped. A worker whose pool was unreachable at
 start stays idle (so does the scheduler's lookup service).
+
+HA masters (``etcd://`` master address): a dead leader also answers UNAVAILABLE,
+but Mooncake's client follows the new leader by itself (~10 s), and a reconnect
+in the middle of a failover only starts over against a master that is not ready.
+So the worker reconnects only once every job has come back UNAVAILABLE for
+``HA_RECONNECT_AFTER_S``.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from typing import Any
 
 import torch
 
-from kvpool.config import PoolConfig
+from kvpool.config import PoolConfig, is_ha
 from kvpool.connector.counters import interval_empty, stats_delta
 from kvpool.connector.drain import SaveBook
 from kvpool.connector.identity import EngineIdentity
@@ -83,6 +89,7 @@ __all__ = ["IDLE_WAIT_S", "RECONNECT_BACKOFF_S", "Worker"]
 logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
+HA_RECONNECT_AFTER_S = 20.0  # HA masters: UNAVAILABLE this long before a reconnect
 IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to do
 
 
@@ -110,6 +117,8 @@ class Worker:
         self.pool = pool
         self.kv_cache_config = kv_cache_config
         self._open_store = open_store
+        self._ha = is_ha(pool.master_address)
+        self._dead_since: float | None = None  # HA: since when every job was UNAVAILABLE
         self.engine: TransferEngine | None = None
         self.store: KVStore | None = None
         self._local: dict[int, int] = {}  # vLLM group index -> index in _groups
@@ -264,8 +273,17 @@ class Worker:
             r.statuses and all(s is Status.UNAVAILABLE for s in r.statuses.values())
             for r in results
         )
-        if not dead or not self.engine.can_abandon or time.monotonic() < self._retry_at:
+        now = time.monotonic()
+        if self._ha:  # the client follows a new leader by itself: give it the time
+            alive = any(s is not Status.UNAVAILABLE for r in results for s in r.statuses.values())
+            if alive:
+                self._dead_since = None
+            elif dead and self._dead_since is None:
+                self._dead_since = now
+            dead = self._dead_since is not None and now - self._dead_since >= HA_RECONNECT_AFTER_S
+        if not dead or not self.engine.can_abandon or now < self._retry_at:
             return []
+        self._dead_since = None
         engine, store = self.engine, self.store
         self.engine = self.store = None
         self._saves.clear()  # the retired engine reports no more saves
@@ -420,9 +438,10 @@ class Worker:
         if not bad:
             return False
         self._invalid |= result.invalid_block_ids
-        # A chunk refused locally says nothing about its object: no suppression.
-        refused = Status.REFUSED
-        self._failed_hashes.update(hashes[k] for k in bad if result.statuses[k] is not refused)
+        # A chunk refused locally, or one the pool did not answer for (a master failing
+        # over, a holder mounting again), says nothing about its object: no suppression.
+        transient = (Status.REFUSED, Status.UNAVAILABLE)
+        self._failed_hashes.update(hashes[k] for k in bad if result.statuses[k] not in transient)
         causes = sorted({result.statuses[k].value for k in bad})
         logger.warning(
             "kvpool: load of %d chunk(s) of %s failed (%s); recomputing",

@@ -1,5 +1,6 @@
 """Start, stop and inspect a local pool: ``mooncake_master`` and a holder on loopback.
-(About 570 lines: one class, the whole life cycle of a pool: master, holders, pool files.)
+(One class, the life cycle of a pool's processes; its pool file is ``pool_file``, HA
+masters' start-up ``ha``, the faults tests inject ``faults``: mixins of it.)
 
     LocalPool.start(home, ...)   start ``mooncake_master`` and (``with_holder``) a
                                  standalone holder (``mooncake_client``) on free
@@ -13,7 +14,8 @@
                                  verified (``processes``)
     pool.kill_holder(), ...      the faults tests inject (``kvpool.pool.faults``)
     pool.config(**overrides)     a ``PoolConfig`` for a pure client of this pool
-                                 (``global_segment_size`` 0)
+                                 (``global_segment_size`` 0); ``command_config`` for
+                                 a command's short-lived one (HA: the leader itself)
     pool.write_pool_file(path)   the JSON pool file that ``kvpool up`` leaves behind
 
 Disk (``disk_dir``): the holder keeps what the master evicts from memory in files
@@ -40,9 +42,7 @@ long-lived thread unless ``detach=True`` (what ``kvpool up`` uses): see
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,11 +52,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from kvpool.config import PoolConfig, read_pool_file
+from kvpool.config import PoolConfig, is_ha, master_endpoints, read_pool_file
 from kvpool.errors import ConfigError, StoreUnavailable
-from kvpool.pool.binaries import HOLDER_BINARY, MASTER_BINARY, find_binary
+from kvpool.pool.binaries import ETCD_BINARY, HOLDER_BINARY, MASTER_BINARY, find_binary
 from kvpool.pool.faults import PoolFaults
+from kvpool.pool.ha import HaStart
 from kvpool.pool.master_api import master_health, master_metrics, segment_capacities
+from kvpool.pool.pool_file import PoolFile, _holders_text, _int, _sizes
 from kvpool.pool.processes import (
     _POLL_S,
     LOOPBACK,
@@ -70,7 +72,7 @@ from kvpool.pool.processes import (
 )
 from kvpool.pool.quotas import Shares
 
-__all__ = ["LEASE_TTL_MS", "MIN_SEGMENT", "GiB", "LocalPool"]
+__all__ = ["HA_MIN_CLIENT_TTL", "LEASE_TTL_MS", "MIN_SEGMENT", "GiB", "LocalPool"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,10 @@ _START_ATTEMPTS = 3  # a port taken between picking and binding makes the master
 # it was given last (``kvpool bench capacity``: 36% of the newest prefixes kept at a
 # working set 8x the pool, 75% with 2 s; hit rate 32% against 45% at 4x).
 LEASE_TTL_MS = 2000
+# HA masters: a holder is silent while the masters fail over (~10 s measured); a new
+# leader whose client TTL ran out first dropped the holder's objects (18 of 40 kept
+# at 2 s, all at 10 s).
+HA_MIN_CLIENT_TTL = 10
 # The holder's offload settings (see the module docstring): small buckets, so that
 # objects evicted from a small pool reach the disk; a 64 MiB offload buffer (the
 # default allocates 1.25 GiB); the master's offload tasks polled every second.
@@ -98,7 +104,7 @@ _DISK_ENV = {
 
 
 @dataclass
-class LocalPool(PoolFaults):
+class LocalPool(HaStart, PoolFile, PoolFaults):
     """A master and/or holder on ``host``; build it with ``start`` or ``attach``."""
 
     home: Path
@@ -118,7 +124,12 @@ class LocalPool(PoolFaults):
     # Tenant quotas (``quotas``): each tenant's share of ``segment_size`` and its holder
     quotas: dict[str, int] = field(default_factory=dict)
     tenant_holders: dict[str, str] = field(default_factory=dict)
+    # HA masters (``kvpool.pool.ha``): the rpc address of each (the leader changes)
+    ha_masters: tuple[str, ...] = ()
+    etcd_peer_port: int = field(default=0, repr=False)  # of an etcd this handle started
     _master: _Process | None = field(default=None, init=False, repr=False)
+    _master2: _Process | None = field(default=None, init=False, repr=False)  # HA: the second
+    _etcd: _Process | None = field(default=None, init=False, repr=False)
     _holder: _Process | None = field(default=None, init=False, repr=False)
     _tenant_procs: dict[str, _Process] = field(default_factory=dict, init=False, repr=False)
 
@@ -142,6 +153,7 @@ class LocalPool(PoolFaults):
         disk_dir: str | Path = "",
         disk_bytes: int = 0,
         quotas: Mapping[str, int] | None = None,
+        ha: bool = False,
     ) -> LocalPool:
         """Start a pool under ``home`` and return once it is healthy.
 
@@ -154,7 +166,10 @@ class LocalPool(PoolFaults):
         ``disk_bytes`` of them at most (module docstring). ``quotas`` ({tenant:
         bytes}) split ``segment_size`` between tenants (``kvpool.pool.quotas``):
         the master enforces them, and each tenant gets a holder of its share
-        (``holder-TENANT.log``). Raises
+        (``holder-TENANT.log``). ``ha`` starts etcd and two masters in Mooncake's
+        HA mode instead of one master (``kvpool.pool.ha``): the pool's master
+        address is then ``etcd://HOST:PORT``, its ``metrics_url`` both masters'.
+        Raises
         ``StoreMissingDependency`` if a binary or libibverbs is missing and
         ``StoreUnavailable`` (with the log tail) if a process exits or is not
         healthy within ``timeout_s``; whatever was started is stopped first.
@@ -168,6 +183,19 @@ class LocalPool(PoolFaults):
             )
         if master_address is not None and not with_holder:
             raise ConfigError("with an existing master, there is nothing to start but a holder")
+        if ha and master_address is not None:
+            raise ConfigError(
+                "--ha starts the pool's own masters; to add a holder to an HA pool, give "
+                "--master etcd://HOST:PORT (its etcd) without --ha"
+            )
+        if ha and client_ttl < HA_MIN_CLIENT_TTL:
+            raise ConfigError(
+                f"--ha needs --client-ttl {HA_MIN_CLIENT_TTL} or more (got {client_ttl}): a "
+                "failover takes ~10 s, and the new leader drops the objects of a holder "
+                "silent for longer than the client TTL"
+            )
+        if ha:
+            find_binary(ETCD_BINARY)
         quotas = dict(quotas or {})
         if quotas and (master_address is not None or not with_holder):
             raise ConfigError("quotas need a pool of its own: a master and its holders")
@@ -201,7 +229,9 @@ class LocalPool(PoolFaults):
         try:
             if shares is not None:
                 (home / QUOTA_FILE).write_text(shares.policy_yaml())
-            if master_address is None:
+            if ha:
+                pool._start_ha(timeout_s)
+            elif master_address is None:
                 pool._start_master(timeout_s)
             if with_holder:
                 pool._start_holder(timeout_s)
@@ -225,9 +255,12 @@ class LocalPool(PoolFaults):
         if not isinstance(master, str) or not master:
             raise ConfigError(f"pool file {path} has no master_address")
         try:
-            _split_address(master)
+            master_endpoints(master)
         except ConfigError as exc:
-            raise ConfigError(f"pool file {path}: master_address {exc}") from None
+            raise ConfigError(f"pool file {path}: {exc}") from None
+        masters = tuple(a for a in str(data.get("ha_masters") or "").split(",") if a)
+        if masters and not is_ha(master):  # (a holder joining an HA pool names none)
+            raise ConfigError(f"pool file {path}: ha_masters goes with an etcd:// master_address")
         holder = str(data.get("holder_address") or "")
         pool = cls(
             home=path.parent,
@@ -245,50 +278,32 @@ class LocalPool(PoolFaults):
             disk_dir=str(data.get("disk_dir") or ""),
             disk_bytes=_int(data.get("disk_bytes")),
             quotas=_sizes(data.get("quotas")),
+            ha_masters=masters,
         )
         with contextlib.suppress(ConfigError):  # malformed: no tenant holders to name
             pool.tenant_holders = PoolConfig(
                 tenant_holders=str(data.get("tenant_holders") or "")
             ).holders_by_tenant()
-        master_pid = data.get("master_pid")
-        if isinstance(master_pid, int) and master_pid > 0:
-            port = _split_address(master)[1]
-            pool._master = _Process(
-                "master",
-                MASTER_BINARY,
-                master_pid,
-                f"--rpc_port={port}",
-                path.parent / "master.log",
-            )
-        holder_pid = data.get("holder_pid")
-        if isinstance(holder_pid, int) and holder_pid > 0 and holder:
-            port = _split_address(holder)[1]
-            pool._holder = _Process(
-                "holder", HOLDER_BINARY, holder_pid, f"--port={port}", path.parent / "holder.log"
-            )
-        for tenant, pid in _sizes(data.get("tenant_holder_pids")).items():
-            if pid > 0 and tenant in pool.tenant_holders:
-                port = _split_address(pool.tenant_holders[tenant])[1]
-                log_path = path.parent / f"holder-{tenant}.log"
-                pool._tenant_procs[tenant] = _Process(
-                    f"holder-{tenant}", HOLDER_BINARY, pid, f"--port={port}", log_path
-                )
+        pool._adopt_processes(data, path)
         return pool
+
+    def _master_args(self, rpc_port: int, metrics_port: int) -> list[str]:
+        return [
+            f"--rpc_address={self.host}",
+            f"--rpc_port={rpc_port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={metrics_port}",
+            f"--client_ttl={self.client_ttl}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            "--logtostderr",
+            *(["--enable_offload=true", "--offload_on_evict=true"] if self.disk_dir else []),
+            *(self._quota_args() if self.quotas else []),
+        ]
 
     def _start_master(self, timeout_s: float, ports: tuple[int, int] | None = None) -> None:
         for attempt in range(1, _START_ATTEMPTS + 1):
             rpc_port, metrics_port = ports or free_ports(2, self.host)
-            args = [
-                f"--rpc_address={self.host}",
-                f"--rpc_port={rpc_port}",
-                f"--metrics_host={self.host}",
-                f"--metrics_port={metrics_port}",
-                f"--client_ttl={self.client_ttl}",
-                f"--default_kv_lease_ttl={self.lease_ttl_ms}",
-                "--logtostderr",
-                *(["--enable_offload=true", "--offload_on_evict=true"] if self.disk_dir else []),
-                *(self._quota_args() if self.quotas else []),
-            ]
+            args = self._master_args(rpc_port, metrics_port)
             proc = _spawn(
                 "master",
                 MASTER_BINARY,
@@ -316,9 +331,11 @@ class LocalPool(PoolFaults):
         return ["--enable_multi_tenants=true", f"--tenant_quota_connector_uri={policy}"]
 
     def _master_ready(self) -> bool:
-        host, port = _split_address(self.master_address)
-        if not _port_accepts(host, port):
-            return False
+        """The master (HA: the one that leads) answers and serves."""
+        if not is_ha(self.master_address):
+            host, port = _split_address(self.master_address)
+            if not _port_accepts(host, port):
+                return False
         try:
             ready = master_health(self.metrics_url, timeout=0.5).get("service_ready") is True
             return ready and bool(master_metrics(self.metrics_url, timeout=0.5))
@@ -417,14 +434,6 @@ class LocalPool(PoolFaults):
 
     # ----------------------------------------------------------------- lifecycle
 
-    @property
-    def master_pid(self) -> int | None:
-        return self._master.pid if self._master is not None else None
-
-    @property
-    def holder_pid(self) -> int | None:
-        return self._holder.pid if self._holder is not None else None
-
     def master_running(self) -> bool:
         """Whether this handle's master process lives (False if the master is not ours)."""
         return self._master is not None and self._master.running()
@@ -439,8 +448,9 @@ class LocalPool(PoolFaults):
         return bool(procs) and all(p.running() for p in procs)
 
     def _procs(self) -> list[_Process | None]:
-        """Every process of this handle: the master, its holder, the tenants' holders."""
-        return [self._master, self._holder, *self._tenant_procs.values()]
+        """Every process of this handle: etcd and the second master (HA), the master,
+        its holder, the tenants' holders; ``stop`` stops them in reverse."""
+        return [self._etcd, self._master, self._master2, self._holder, *self._tenant_procs.values()]
 
     @property
     def shared_segment(self) -> int:
@@ -486,64 +496,16 @@ class LocalPool(PoolFaults):
         )
         return replace(base, **overrides)
 
-    def pool_file_data(self) -> dict[str, Any]:
-        """What ``write_pool_file`` writes: ``PoolConfig`` fields plus process facts.
-
-        ``global_segment_size`` is left out on purpose: ``load_config`` reads the
-        file, and a reader must stay a pure client. A ``secret`` makes the file
-        readable by its owner only (``write_pool_file``).
-        """
-        secret = {"pool_secret": self.secret} if self.secret else {}
-        return {
-            "master_address": self.master_address,
-            "holder_address": self.holder_address,
-            "metrics_url": self.metrics_url,
-            "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp",
-            # Clients on this host advertise it; on other hosts "auto" resolves
-            # to their own address on the route to the master (config.load_config).
-            "local_hostname": LOOPBACK if self.host == LOOPBACK else "auto",
-            "host": self.host,
-            "master_pid": self.master_pid,
-            "holder_pid": self.holder_pid,
-            "segment_size": self.segment_size,
-            "client_ttl": self.client_ttl,
-            "lease_ttl_ms": self.lease_ttl_ms,
-            "created": self.created,
-            **({"disk_dir": self.disk_dir, "disk_bytes": self.disk_bytes} if self.disk_dir else {}),
-            **secret,
-            **(self._quota_data() if self.quotas else {}),
-        }
-
-    def _quota_data(self) -> dict[str, Any]:
-        pids = {t: p.pid for t, p in self._tenant_procs.items()}
-        return {
-            "tenant_holders": _holders_text(self.tenant_holders),
-            "quotas": dict(self.quotas),
-            "tenant_holder_pids": pids,
-        }
-
-    def write_pool_file(self, path: str | Path) -> Path:
-        """Write the pool file atomically (temporary file, then rename); return its path.
-        Mode 0600 when it holds a pool secret (it is created so: never readable by
-        others, not even for a moment), else 0644."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        data = (json.dumps(self.pool_file_data(), indent=2) + "\n").encode()
-        # A new file only: never through a link (or a file) someone put at that name.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        mode = 0o600 if self.secret else 0o644
-        try:
-            fd = os.open(tmp, flags, mode)
-        except FileExistsError:
-            tmp.unlink()  # a leftover of ours (same pid) or a planted link: removed, not followed
-            fd = os.open(tmp, flags, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        self.pool_file = path
-        return path
+    def command_config(self, **overrides: Any) -> PoolConfig:
+        """``config`` for a command's short-lived client: of HA masters, the leader's
+        own address (a client through etcd takes ~30 s to close or to exit, waiting
+        on Mooncake's etcd watch; and a process has one etcd client at most). Such a
+        client does not follow a failover."""
+        if is_ha(self.master_address):
+            leader = master_health(self.metrics_url).get("leader_address")
+            if isinstance(leader, str) and leader:
+                overrides = {"master_address": leader, **overrides}
+        return self.config(**overrides)
 
     def metrics(self, timeout: float = 2.0) -> dict[str, float]:
         """``master_metrics`` of this pool's master (``StoreUnavailable`` if unknown/down)."""
@@ -558,18 +520,3 @@ class LocalPool(PoolFaults):
         for proc in self._procs():
             if proc is not None:
                 yield proc.role, proc.pid, proc.running()
-
-
-def _int(value: object, default: int = 0) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _sizes(value: object) -> dict[str, int]:
-    """{name: int} of a pool file's JSON object (other entries left out)."""
-    items = value.items() if isinstance(value, dict) else ()
-    return {str(k): v for k, v in items if _int(v, -1) >= 0}
-
-
-def _holders_text(holders: Mapping[str, str]) -> str:
-    """``PoolConfig.tenant_holders`` of {tenant: host:port}."""
-    return ",".join(f"{t}={a}" for t, a in holders.items())

@@ -3,6 +3,8 @@
     master_metrics(url)          the master's Prometheus ``/metrics`` as {sample: value}
                                  (``parse_metrics(text)`` is the pure parser)
     master_health(url)           the JSON object of ``/health`` (``service_ready``, ...)
+    masters_health(url)          (url, ``/health``) of each master (HA: several)
+    leader_url(url)              the metrics URL of the master that leads
     master_keys(url)             every key the master knows (``/get_all_keys``)
     key_hosts(url, keys)         per host, how many of ``keys`` have a replica there
                                  (``/query_key``, one request per key, in parallel)
@@ -14,7 +16,8 @@
                                  against a deadline
 
 ``url`` is the master's ``http://host:port`` (a trailing ``/metrics`` is
-accepted). A master that does not answer in time, or answers something else
+accepted); for HA masters, each master's, comma-separated: every call then asks
+the one that leads. A master that does not answer in time, or answers something else
 than asked, is ``StoreUnavailable``; the pure helpers never raise.
 """
 
@@ -37,9 +40,11 @@ __all__ = [
     "completed_puts",
     "key_bytes",
     "key_hosts",
+    "leader_url",
     "master_health",
     "master_keys",
     "master_metrics",
+    "masters_health",
     "parse_metrics",
     "segment_capacities",
     "segment_usage",
@@ -216,5 +221,36 @@ def _by_segment(metrics: Mapping[str, float], metric: str) -> dict[str, float]:
     }
 
 
+def masters_health(metrics_url: str, timeout: float = 2.0) -> list[tuple[str, dict[str, Any]]]:
+    """(url, ``/health``) of each master ``metrics_url`` names (HA masters: a
+    comma-separated list); a master that does not answer has ``{"status": "down",
+    "error": ...}``."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for url in _urls(metrics_url):
+        try:
+            out.append((url, master_health(url, timeout)))
+        except StoreUnavailable as exc:
+            out.append((url, {"status": "down", "error": str(exc)}))
+    return out
+
+
+def leader_url(metrics_url: str, timeout: float = 2.0) -> str:
+    """The metrics URL of the master that serves: ``metrics_url`` itself, or of a
+    comma-separated list (HA masters) the one whose ``/health`` says it leads;
+    ``StoreUnavailable`` while none does (a failover: the standby takes ~10 s)."""
+    urls = _urls(metrics_url)
+    if len(urls) == 1:
+        return urls[0]
+    for url, health in masters_health(metrics_url, timeout):
+        if health.get("role") == "leader":
+            return url
+    raise StoreUnavailable(f"no master of {metrics_url} leads now (a failover?)")
+
+
+def _urls(metrics_url: str) -> list[str]:
+    return [u.strip() for u in metrics_url.split(",") if u.strip()] or [metrics_url]
+
+
 def _endpoint(metrics_url: str, path: str) -> str:
-    return metrics_url.rstrip("/").removesuffix("/metrics") + path
+    url = leader_url(metrics_url) if "," in metrics_url else metrics_url
+    return url.rstrip("/").removesuffix("/metrics") + path

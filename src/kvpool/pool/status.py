@@ -10,6 +10,9 @@
                                  the same, with the oldest write time among
                                  ``AGE_SAMPLE`` random objects' headers (``ages``)
                                  and, with tenant quotas, each tenant's bytes
+    PoolStatus.masters / .etcd   HA masters: each one's role and state, the leader's
+                                 view (Mooncake bumps it at each election), and
+                                 etcd's health
     namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
                                  group (``NamespaceSummary``); other keys counted
                                  apart; ``pool_status`` adds each group's bytes
@@ -31,17 +34,27 @@ from typing import Any
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
 from kvpool.pool.ages import HeadReader, oldest_written
+from kvpool.pool.ha import etcd_health
 from kvpool.pool.local import LocalPool
 from kvpool.pool.master_api import (
     key_bytes,
     key_hosts,
     master_keys,
+    master_metrics,
+    masters_health,
     segment_capacities,
     segment_usage,
 )
 from kvpool.pool.quotas import tenant_usage
 
-__all__ = ["NamespaceCount", "NamespaceSummary", "PoolStatus", "namespace_counts", "pool_status"]
+__all__ = [
+    "MasterState",
+    "NamespaceCount",
+    "NamespaceSummary",
+    "PoolStatus",
+    "namespace_counts",
+    "pool_status",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +115,19 @@ def namespace_counts(keys: Iterable[str]) -> NamespaceSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class MasterState:
+    """One of a pool's HA masters, as its ``/health`` says."""
+
+    name: str  # "master", "master-2"
+    address: str  # its rpc host:port
+    metrics_url: str
+    role: str  # "leader", "standby" or "down"
+    state: str = ""  # Mooncake's ha_state: "serving", "leader_warmup", "standby", ...
+    view: int | None = None  # the master view it knows (bumped at each election)
+    error: str = ""  # why it does not answer
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStatus:
     """What ``kvpool status`` shows. Counts are None when the master did not say."""
 
@@ -133,6 +159,10 @@ class PoolStatus:
     # The master lists the keys of its ``default`` tenant only: ``keys`` and
     # ``namespaces`` leave out those of tenants with a quota.
     tenants: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    # HA masters: each one's state, and etcd's health ("" healthy, else why not);
+    # empty for a pool of one master
+    masters: tuple[MasterState, ...] = ()
+    etcd: str = ""
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -164,15 +194,22 @@ def pool_status(
         processes=tuple(pool.processes()),
         reachable=False,
     )
+    metrics_url = pool.metrics_url
+    if pool.ha_masters:
+        base = replace(base, masters=_masters(pool, timeout), etcd=etcd_health(pool.etcd_endpoint))
+        leaders = [m.metrics_url for m in base.masters if m.role == "leader"]
+        if not leaders:
+            return replace(base, error="no master leads now (a failover takes ~10 s)")
+        metrics_url = leaders[0]  # asked once: every call below goes to it
     try:
-        metrics = pool.metrics(timeout)
+        metrics = master_metrics(metrics_url, timeout) if metrics_url else pool.metrics(timeout)
     except StoreUnavailable as exc:
         return replace(base, error=str(exc))
     namespaces, keys = None, None
     if list_keys:
         try:
-            keys = master_keys(pool.metrics_url, timeout=5 * timeout)
-            namespaces = _with_bytes(namespace_counts(keys), pool.metrics_url, timeout)
+            keys = master_keys(metrics_url, timeout=5 * timeout)
+            namespaces = _with_bytes(namespace_counts(keys), metrics_url, timeout)
         except StoreUnavailable as exc:
             log.info("cannot list keys: %s", exc)
 
@@ -184,7 +221,7 @@ def pool_status(
     host_keys: dict[str, int] = {}
     sampled = 0
     if keys is not None and len(set(map(_host, segments))) > 1:
-        host_keys, sampled = _keys_per_host(pool.metrics_url, keys, timeout)
+        host_keys, sampled = _keys_per_host(metrics_url, keys, timeout)
     oldest, aged = None, 0
     if keys is not None and read_heads is not None:
         oldest, aged = oldest_written(read_heads, keys, AGE_SAMPLE)
@@ -208,6 +245,25 @@ def pool_status(
         ages_sampled=aged,
         tenants=tenant_usage(metrics),
     )
+
+
+def _masters(pool: LocalPool, timeout: float) -> tuple[MasterState, ...]:
+    out = []
+    names = ("master", "master-2")
+    for i, (url, health) in enumerate(masters_health(pool.metrics_url, timeout)):
+        view = health.get("view_version")
+        out.append(
+            MasterState(
+                names[i] if i < len(names) else f"master-{i + 1}",
+                pool.ha_masters[i] if i < len(pool.ha_masters) else "?",
+                url,
+                str(health.get("role") or "down"),
+                str(health.get("ha_state") or ""),
+                view if isinstance(view, int) else None,
+                str(health.get("error") or ""),
+            )
+        )
+    return tuple(out)
 
 
 def _with_bytes(summary: NamespaceSummary, metrics_url: str, timeout: float) -> NamespaceSummary:

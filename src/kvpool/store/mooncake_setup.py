@@ -5,7 +5,9 @@
     load_mooncake()               the client class, or ``StoreMissingDependency``
                                   naming what to install (the wheel, libibverbs)
     connect_error(address, t)     why ``host:port`` refuses a TCP connection, or None
-    probe(address, t)             ``StoreUnavailable`` unless the master accepts one
+                                  (HA masters, ``etcd://A;B``: why every etcd does)
+    probe(address, t)             ``StoreUnavailable`` unless the master (or etcd)
+                                  accepts one
     bound_waits(config, env)      Mooncake's retry and timeout variables from
                                   ``config``, each only if not set already
 
@@ -23,7 +25,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.config import PoolConfig
+from kvpool.config import PoolConfig, is_ha, master_endpoints
 from kvpool.errors import StoreMissingDependency, StoreUnavailable
 from kvpool.store.base import Status
 
@@ -98,21 +100,27 @@ def load_mooncake() -> Callable[[], Any]:
 
 
 def connect_error(address: str, timeout: float) -> str | None:
-    """None if ``host:port`` accepts a TCP connection within ``timeout``, else why not."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc) or type(exc).__name__
+    """None if ``host:port`` accepts a TCP connection within ``timeout``, else why not.
+    For HA masters (``etcd://A;B``): None if one of the etcd servers does."""
+    error = "no address"
+    for endpoint in master_endpoints(address):
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+                return None
+        except OSError as exc:
+            error = exc.strerror or str(exc) or type(exc).__name__
+    return error
 
 
 def probe(address: str, timeout: float) -> None:
-    """Raise ``StoreUnavailable`` unless ``host:port`` accepts a TCP connection."""
+    """Raise ``StoreUnavailable`` unless the master (or an etcd server naming the
+    leader of HA masters) accepts a TCP connection."""
     error = connect_error(address, timeout)
     if error is not None:
+        what = "the etcd of the pool's masters" if is_ha(address) else "mooncake_master"
         raise StoreUnavailable(
-            f"cannot reach mooncake_master at {address} ({error}); "
+            f"cannot reach {what} at {address} ({error}); "
             "is the pool running? Start one with `kvpool up` or fix master_address"
         )
 

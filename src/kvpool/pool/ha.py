@@ -1,0 +1,184 @@
+"""HA masters: etcd and two ``mooncake_master`` in Mooncake's high-availability mode.
+
+    etcd_args(home, host, client_port, peer_port)   etcd's command line: one member
+                                 on ``host``, data under ``<home>/etcd``
+    etcd_marker(endpoint)        the argument that names that etcd's process
+    etcd_health(endpoint)        "" when etcd's ``/health`` says true, else why not
+    ha_master_args(endpoint)     the flags that make a master one of the HA pair
+    master_roles(metrics_url)    {metrics url: "leader", "standby", "down", ...}
+    HaStart                      ``LocalPool``'s start-up of etcd and the two masters
+                                 (a mixin: the pool supplies addresses and helpers)
+
+How it works (Mooncake 0.3.13): masters started with ``--enable_ha`` elect a leader
+through a lease in etcd and write its address there (key
+``mooncake-store/mooncake_cluster/master_view``); the other stands by and, with
+``--enable_oplog``, replays the leader's log of object metadata (without it a new
+leader starts empty). Clients and holders whose master address is
+``etcd://HOST:PORT`` read the leader from etcd and follow a change by themselves;
+``kvpool.pool.master_api`` asks the leader's metrics server. A new leader serves
+after a warm-up of about 5 s; a leader killed with SIGKILL is replaced in about
+10 s (its lease runs out first), every object kept (measured here).
+
+Clients have no setting for the cluster id, so the masters keep Mooncake's default
+one and each pool has an etcd of its own (``kvpool up --ha`` starts it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpool.config import is_ha, master_endpoints
+from kvpool.errors import StoreUnavailable
+from kvpool.pool.binaries import ETCD_BINARY, MASTER_BINARY
+from kvpool.pool.master_api import masters_health
+from kvpool.pool.processes import _Process, _spawn, _split_address, free_ports
+
+__all__ = [
+    "HaStart",
+    "etcd_args",
+    "etcd_health",
+    "etcd_marker",
+    "ha_master_args",
+    "master_roles",
+]
+
+ETCD_NAME = "kvpool"  # the one member's name
+
+
+def etcd_args(home: Path, host: str, client_port: int, peer_port: int) -> list[str]:
+    """etcd's command line: one member, clients at ``host:client_port``; its first
+    argument (``--listen-client-urls=...``) names the process (``processes``)."""
+    client, peer = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--name={ETCD_NAME}",
+        f"--data-dir={home / 'etcd'}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster={ETCD_NAME}={peer}",
+        "--log-level=warn",
+    ]
+
+
+def etcd_marker(endpoint: str) -> str:
+    """The argument that names the etcd serving ``endpoint`` (host:port)."""
+    return f"--listen-client-urls=http://{endpoint}"
+
+
+def etcd_health(endpoint: str, timeout: float = 1.0) -> str:
+    """ "" when the etcd at ``endpoint`` (host:port) says it is healthy, else why not."""
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"not answering ({getattr(exc, 'reason', exc)})"
+    if isinstance(body, dict) and body.get("health") == "true":
+        return ""
+    return f"unhealthy ({body})"
+
+
+def ha_master_args(endpoint: str) -> list[str]:
+    """A master's flags for the HA pair whose etcd is at ``endpoint`` (host:port)."""
+    return ["--enable_ha=true", "--enable_oplog=true", f"--etcd_endpoints={endpoint}"]
+
+
+def master_roles(metrics_url: str, timeout: float = 1.0) -> dict[str, str]:
+    """Each master's role by its metrics URL (``metrics_url``: comma-separated):
+    "leader", "standby", or "down" when it does not answer."""
+    return {
+        url: str(health.get("role") or health.get("status") or "unknown")
+        for url, health in masters_health(metrics_url, timeout)
+    }
+
+
+class HaStart:
+    """Starting etcd and HA masters; ``LocalPool`` supplies the state and helpers."""
+
+    home: Path
+    host: str
+    detach: bool
+    master_address: str
+    metrics_url: str
+    ha_masters: tuple[str, ...]
+    etcd_peer_port: int
+    _etcd: _Process | None
+    _master: _Process | None
+    _master2: _Process | None
+
+    def _master_args(self, rpc_port: int, metrics_port: int) -> list[str]:
+        raise NotImplementedError
+
+    def _master_ready(self) -> bool:
+        raise NotImplementedError
+
+    def _wait(self, proc: _Process, timeout_s: float, ready: Callable[[], bool]) -> bool:
+        raise NotImplementedError
+
+    def _failure(self, proc: _Process, what: str) -> StoreUnavailable:
+        raise NotImplementedError
+
+    def _start_ha(self, timeout_s: float) -> None:
+        """etcd, then two masters in HA mode; returns once one of them leads and serves."""
+        client, peer = free_ports(2, self.host)
+        data_dir = self.home / "etcd"
+        if data_dir.exists():  # a former pool's member, on other ports: never reused
+            shutil.rmtree(data_dir)
+        self._start_etcd(timeout_s, (client, peer))
+        self.master_address = f"etcd://{self.host}:{client}"
+        ports = [free_ports(2, self.host) for _ in range(2)]
+        self.ha_masters = tuple(f"{self.host}:{rpc}" for rpc, _ in ports)
+        self.metrics_url = ",".join(f"http://{self.host}:{m}" for _, m in ports)
+        for i in range(2):
+            self._start_ha_master(i)
+        first = self._master
+        assert first is not None
+        if not self._wait(first, timeout_s, self._master_ready):
+            raise self._failure(first, "exited during start-up")
+
+    def _start_etcd(self, timeout_s: float, ports: tuple[int, int]) -> None:
+        """etcd on ``ports`` (client, peer), its data under ``home``; returns once healthy."""
+        endpoint = f"{self.host}:{ports[0]}"
+        self.etcd_peer_port = ports[1]
+        self._etcd = etcd = _spawn(
+            "etcd",
+            ETCD_BINARY,
+            etcd_args(self.home, self.host, *ports),
+            etcd_marker(endpoint),
+            self.home / "etcd.log",
+            self.detach,
+            self.host,
+        )
+        if not self._wait(etcd, timeout_s, lambda: not etcd_health(endpoint, 0.5)):
+            raise self._failure(etcd, "exited during start-up")
+
+    def _start_ha_master(self, index: int) -> _Process:
+        """HA master ``index`` (0 or 1) on its ports; returns at once (it elects or
+        stands by on its own)."""
+        role = ("master", "master-2")[index]
+        rpc = _split_address(self.ha_masters[index])[1]
+        metrics = _split_address(self.metrics_url.split(",")[index].removeprefix("http://"))[1]
+        proc = _spawn(
+            role,
+            MASTER_BINARY,
+            self._master_args(rpc, metrics) + ha_master_args(self.etcd_endpoint),
+            f"--rpc_port={rpc}",
+            self.home / f"{role}.log",
+            self.detach,
+            self.host,
+        )
+        if index == 0:
+            self._master = proc
+        else:
+            self._master2 = proc
+        return proc
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """host:port of the pool's etcd (HA masters), else ""."""
+        return master_endpoints(self.master_address)[0] if is_ha(self.master_address) else ""

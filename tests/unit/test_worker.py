@@ -58,40 +58,9 @@ def finished_within(worker: Worker, req: str, timeout: float = 10.0) -> tuple[bo
 
 
 def test_a_dead_store_client_is_replaced_and_service_resumes() -> None:
-    shared = MemoryStore(capacity=1 << 30)  # the pool; each client below is a view of it
-    opened: list[KVStore] = []
-
-    class Client(MemoryStore):
-        """A client of ``shared`` that can die (then every call is UNAVAILABLE)."""
-
-        def __init__(self) -> None:
-            super().__init__(capacity=1 << 30)
-            self._objects = shared._objects
-            self.dead = False
-
-        def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
-            return [Status.UNAVAILABLE] * len(keys) if self.dead else super()._get(keys, segments)
-
-        def close(self) -> None:  # closing a client keeps the pool's objects
-            self._objects = OrderedDict()
-            super().close()
-
-    def open_store(_: PoolConfig) -> KVStore:
-        opened.append(Client())
-        return opened[-1]
-
-    kv_config = SimpleNamespace(
-        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
-    )
-    caches = kv_caches()
-    worker = Worker(identity(), 0, ConnectorSettings(), PoolConfig(), kv_config, open_store)
-    worker.register(caches)
-    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))
-    assert worker.engine is not None
-    worker.engine.wait([("save", 0)], timeout=10)
-
+    worker, opened, caches = dying_client_worker(PoolConfig())
     first = opened[0]
-    assert isinstance(first, Client)
+    assert isinstance(first, DyingClient)
     first.dead = True  # e.g. a same-host client whose holder was killed
     worker.start_loads(StepPlan(loads=[ops("b", [5, 6])]))
     assert finished_within(worker, "b") == (True, True)
@@ -110,6 +79,76 @@ def test_a_dead_store_client_is_replaced_and_service_resumes() -> None:
     stats = worker.stats()
     assert stats is not None and stats.chunks_loaded == 2 and stats.chunks_put == 2
     worker.close()
+
+
+def test_a_client_of_ha_masters_gets_the_failover_time_before_a_reconnect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Of HA masters, UNAVAILABLE is most often a failover that Mooncake's client rides
+    out by itself: the worker reconnects only after HA_RECONNECT_AFTER_S of it."""
+    import kvpool.connector.worker as worker_module
+
+    worker, opened, _ = dying_client_worker(PoolConfig(master_address="etcd://127.0.0.1:1"))
+    first = opened[0]
+    assert isinstance(first, DyingClient)
+    first.dead = True
+    worker.start_loads(StepPlan(loads=[ops("b", [5, 6])]))
+    assert finished_within(worker, "b") == (True, True)
+    worker.finished()
+    assert len(opened) == 1 and worker.store is first  # no reconnect within the grace
+    first.dead = False  # the new leader serves: the same client works again
+    worker.start_loads(StepPlan(loads=[ops("c", [9, 10])]))
+    assert finished_within(worker, "c") == (True, False)
+    monkeypatch.setattr(worker_module, "HA_RECONNECT_AFTER_S", 0.0)
+    first.dead = True  # and now for longer than the grace: a reconnect
+    worker.start_loads(StepPlan(loads=[ops("d", [5, 6])]))
+    assert finished_within(worker, "d") == (True, True)
+    deadline = time.monotonic() + 10
+    while not (len(opened) == 2 and worker.engine is not None) and time.monotonic() < deadline:
+        worker.finished()
+        time.sleep(0.01)
+    assert len(opened) == 2 and worker.store is opened[1]
+    worker.close()
+
+
+class DyingClient(MemoryStore):
+    """A client of ``shared`` that can die (then every get is UNAVAILABLE)."""
+
+    def __init__(self, shared: MemoryStore) -> None:
+        super().__init__(capacity=1 << 30)
+        self._objects = shared._objects
+        self.dead = False
+
+    def _get(self, keys: Sequence[str], segments: Sequence[Segments]) -> list[Status]:
+        return [Status.UNAVAILABLE] * len(keys) if self.dead else super()._get(keys, segments)
+
+    def close(self) -> None:  # closing a client keeps the pool's objects
+        self._objects = OrderedDict()
+        super().close()
+
+
+def dying_client_worker(
+    pool: PoolConfig,
+) -> tuple[Worker, list[KVStore], dict[str, torch.Tensor]]:
+    """A worker whose every store is a ``DyingClient`` of one pool (opened in order),
+    with chunks of blocks 1 and 2 saved."""
+    shared = MemoryStore(capacity=1 << 30)  # the pool; each client is a view of it
+    opened: list[KVStore] = []
+
+    def open_store(_: PoolConfig) -> KVStore:
+        opened.append(DyingClient(shared))
+        return opened[-1]
+
+    kv_config = SimpleNamespace(
+        num_blocks=NB, kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"])]
+    )
+    caches = kv_caches()
+    worker = Worker(identity(), 0, ConnectorSettings(), pool, kv_config, open_store)
+    worker.register(caches)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))
+    assert worker.engine is not None
+    worker.engine.wait([("save", 0)], timeout=10)
+    return worker, opened, caches
 
 
 def test_zero_copy_places_kv_in_store_memory_and_flushes_saves_of_freed_requests() -> None:

@@ -280,7 +280,8 @@ class Worker:
                 self._dead_since = None
             elif dead and self._dead_since is None:
                 self._dead_since = now
-            dead = self._dead_since is not None and now - self._dead_since >= HA_RECONNECT_AFTER_S
+            since = self._dead_since
+            dead = dead and since is not None and now - since >= HA_RECONNECT_AFTER_S
         if not dead or not self.engine.can_abandon or now < self._retry_at:
             return []
         self._dead_since = None

@@ -96,13 +96,21 @@ def test_a_client_of_ha_masters_gets_the_failover_time_before_a_reconnect(
     assert finished_within(worker, "b") == (True, True)
     worker.finished()
     assert len(opened) == 1 and worker.store is first  # no reconnect within the grace
+    # Failed UNAVAILABLE at once: the chunks are fine, lookups keep finding them.
+    report = worker.worker_meta()
+    assert report is None or not report.failed_hashes
     first.dead = False  # the new leader serves: the same client works again
     worker.start_loads(StepPlan(loads=[ops("c", [9, 10])]))
     assert finished_within(worker, "c") == (True, False)
     monkeypatch.setattr(worker_module, "HA_RECONNECT_AFTER_S", 0.0)
+    # A failure that stalled first (as against a holder cut off) is kept out of
+    # lookups, or the next request would stall as long.
+    monkeypatch.setattr(worker_module, "UNAVAILABLE_STALL_S", 0.0)
     first.dead = True  # and now for longer than the grace: a reconnect
     worker.start_loads(StepPlan(loads=[ops("d", [5, 6])]))
     assert finished_within(worker, "d") == (True, True)
+    report = worker.worker_meta()
+    assert report is not None and report.failed_hashes == {bytes([1]) * 8, bytes([2]) * 8}
     deadline = time.monotonic() + 10
     while not (len(opened) == 2 and worker.engine is not None) and time.monotonic() < deadline:
         worker.finished()

@@ -90,6 +90,7 @@ logger = logging.getLogger(__name__)
 
 RECONNECT_BACKOFF_S = (1.0, 30.0)  # first and longest wait between reconnects
 HA_RECONNECT_AFTER_S = 20.0  # HA masters: UNAVAILABLE this long before a reconnect
+UNAVAILABLE_STALL_S = 2.0  # a load failed UNAVAILABLE after this long stalled: suppressed
 IDLE_WAIT_S = 0.01  # longest wait for a transfer in a step with nothing else to do
 
 
@@ -439,9 +440,14 @@ class Worker:
         if not bad:
             return False
         self._invalid |= result.invalid_block_ids
-        # A chunk refused locally, or one the pool did not answer for (a master failing
-        # over, a holder mounting again), says nothing about its object: no suppression.
-        transient = (Status.REFUSED, Status.UNAVAILABLE)
+        # A chunk refused locally says nothing about its object: no suppression. Nor
+        # does one the pool answered UNAVAILABLE for at once (a master failing over, a
+        # holder mounting again); one that stalled first (a holder cut off: a zero-copy
+        # get waits out Mooncake's RPC timeout) is suppressed, or the next request
+        # would stall as long.
+        transient = {Status.REFUSED}
+        if result.seconds < UNAVAILABLE_STALL_S:
+            transient.add(Status.UNAVAILABLE)
         self._failed_hashes.update(hashes[k] for k in bad if result.statuses[k] not in transient)
         causes = sorted({result.statuses[k].value for k in bad})
         logger.warning(

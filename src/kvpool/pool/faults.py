@@ -32,6 +32,7 @@ import time
 
 from kvpool.errors import ConfigError, StoreUnavailable
 from kvpool.pool.ha import master_roles
+from kvpool.pool.master_api import master_health
 from kvpool.pool.processes import _POLL_S, _Process, _split_address
 
 __all__ = ["PoolFaults"]
@@ -131,11 +132,10 @@ class PoolFaults:
         none): a client that connects there directly, not through etcd (Mooncake
         keeps one etcd client per process: a process is a client of one HA pool's
         etcd at most), until the next failover."""
-        by_name = dict(zip(("master", "master-2"), self.ha_masters, strict=False))
-        for name, role in self.master_roles().items():
-            if role == "leader":
-                return by_name[name]
-        raise StoreUnavailable(f"no master leads now ({self.master_roles()})")
+        leader = master_health(self.metrics_url).get("leader_address")  # the leader's
+        if not isinstance(leader, str) or not leader:
+            raise StoreUnavailable(f"no master leads now ({master_roles(self.metrics_url)})")
+        return leader
 
     def kill_leader(self) -> str:
         """SIGKILL the master that leads; its name. ``StoreUnavailable`` if none leads."""

@@ -502,9 +502,8 @@ class LocalPool(HaStart, PoolFile, PoolFaults):
         on Mooncake's etcd watch; and a process has one etcd client at most). Such a
         client does not follow a failover."""
         if is_ha(self.master_address):
-            leader = master_health(self.metrics_url).get("leader_address")
-            if isinstance(leader, str) and leader:
-                overrides = {"master_address": leader, **overrides}
+            with contextlib.suppress(StoreUnavailable):  # none leads now: through etcd
+                overrides = {"master_address": self.leader_address(), **overrides}
         return self.config(**overrides)
 
     def metrics(self, timeout: float = 2.0) -> dict[str, float]:

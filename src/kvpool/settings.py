@@ -78,6 +78,13 @@ class ConnectorSettings:
         "zero-copy loads (a frozen holder then stalls the forward) of models with one "
         "KV group; others load asynchronously.",
     )
+    load_decision: Literal["measured", "load", "recompute"] = documented(
+        "measured",
+        "measured: load a pool hit only when this engine's measured load time for it is "
+        "below its measured time to compute those tokens (each learned as the engine "
+        "runs; hits load until both are known); load: always load a hit; recompute: "
+        "never load (the pool is written, not read).",
+    )
     save_decode: bool = documented(False, "Also save chunks completed during decode.")
     tenant: str = documented(
         "",
@@ -172,6 +179,13 @@ def parse_extra(
                 raise ConfigError(
                     f"kv_connector_extra_config.shared_memory must be auto, on or off "
                     f"(or true/false), got {v!r}"
+                )
+            values[name] = v
+        elif name == "load_decision":
+            if not isinstance(v, str) or v not in ("measured", "load", "recompute"):
+                raise ConfigError(
+                    f"kv_connector_extra_config.load_decision must be measured, load or "
+                    f"recompute, got {v!r}"
                 )
             values[name] = v
         elif name == "load_mode":

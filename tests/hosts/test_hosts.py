@@ -116,7 +116,9 @@ def _spec(
     if pool_file:
         # These tests assert hits, not lookup latency: a loaded machine must not turn a
         # slow lookup into a miss.
-        spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **spec_extra}
+        # Nor a tiny model's cheap forward a hit into a recompute (load_decision).
+        spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000,
+                         "load_decision": "load", **spec_extra}  # fmt: skip
         spec["log_level"] = "INFO"  # the worker says which path it moves KV over
     env = {"PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     if host is None:
@@ -390,3 +392,52 @@ def test_a_holders_host_cut_off_in_the_middle_of_a_load_from_it_costs_misses_onl
     # the same engine loads it from the pool, within the bound.
     assert after["results"][0]["cached_tokens"] >= 256
     assert max(r["total_s"] for r in after["results"]) < 2 + 5 + 10
+
+
+@pytest.mark.vllm  # an engine tier's length: runs beside the vllm tier in CI
+def test_a_slow_pool_and_a_cheap_model_recompute_instead_of_waiting_for_loads(
+    hosts: list[Host], tiny_model: Path, tmp_path: Path
+) -> None:
+    """The pool's host sends at 4 Mbit/s; an engine on another host reaches it over
+    TCP and runs a tiny model (its forward computes a prompt in milliseconds, a load
+    of it takes about a second). With the default ``load_decision`` (measured) its
+    first hits load while it learns both rates, then it computes the rest of its
+    hits instead of waiting for them, counts them, takes less time for them than
+    for a load, and answers like an engine without kvpool."""
+    from kvpool.demo.session import EngineSession
+
+    home = tmp_path / "host1-pool"
+    _kvpool(hosts[0], home, "up", "--host", hosts[0].address, "--segment-size", "256MB",
+            "--client-ttl", "2")  # fmt: skip
+    try:
+        pool_file = str(home / "pool.json")
+        rng = random.Random(11)
+        fresh = [[rng.randrange(10, 1000) for _ in range(500)] for _ in range(3)]
+        saved = [[rng.randrange(10, 1000) for _ in range(500)] for _ in range(8)]
+        spec, env, wrap = _spec(hosts[0], tiny_model, pool_file, prompts=saved)
+        spec["settle_saves"] = True
+        writer = EngineSession.run(spec, tmp_path, "writer", env=env, wrap=wrap)
+        assert writer["connector"]["chunks_saved"] >= 8 * 15
+        spec, env, _ = _spec(None, tiny_model, "", prompts=fresh + saved)
+        base = EngineSession.run(spec, tmp_path, "base", env=env)["results"]
+        with _throttled(hosts[0], "4mbit"):
+            spec, env, wrap = _spec(hosts[2], tiny_model, pool_file, prompts=fresh + saved,
+                                    load_decision="measured")  # fmt: skip
+            spec["warmup"] = True  # a prefill the length of the prompts: a compute sample
+            reader = EngineSession.run(spec, tmp_path, "reader", env=env, wrap=wrap)
+    finally:
+        _kvpool(hosts[0], home, "down")
+    results = reader["results"]
+    assert [r["tokens"] for r in results] == [r["tokens"] for r in base]
+    for r, b in zip(results, base, strict=True):
+        assert r["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+    hits = results[3:]  # every one of them is in the pool
+    loaded = [r for r in hits if r["cached_tokens"] >= 480]
+    computed = [r for r in hits if r["cached_tokens"] == 0]
+    assert len(loaded) + len(computed) == len(hits)
+    assert len(loaded) >= 3, "the first hits load: the decision has no load rate yet"
+    assert len(computed) >= 3, [r["cached_tokens"] for r in hits]
+    stats = reader["connector"]
+    assert stats["hits_recomputed"] == len(computed)
+    assert stats["tokens_recomputed"] == 480 * len(computed)
+    assert max(r["ttft_s"] for r in computed) < min(r["ttft_s"] for r in loaded)

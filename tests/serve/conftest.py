@@ -71,7 +71,8 @@ def serve(tiny_model: Path, local_pool: LocalPool, tmp_path: Path) -> Iterator[S
         # These tests assert hits: a lookup must not miss its 50 ms default deadline,
         # nor a load its 5 s, because a loaded CI machine scheduled the engine late
         # (seen: a TP2 load of 17 MiB past 5 s with both tiers and more running).
-        deadlines = {"lookup_timeout_ms": 2000, "load_timeout_s": 60}
+        # Nor may a tiny model's cheap forward turn a hit into a recompute.
+        deadlines = {"lookup_timeout_ms": 2000, "load_timeout_s": 60, "load_decision": "load"}
         config = kv_transfer_config(pool_file, **{**deadlines, **(connector or {})})
         args = [*ENGINE_ARGS, "--dtype", dtype, "--kv-cache-memory-bytes", kv_cache,
                 "--kv-transfer-config", config, *extra_args]  # fmt: skip

@@ -35,6 +35,7 @@ def test_a_fleet_with_kvpool_computes_less_of_the_trace_and_answers_alike(
         pool_bytes=256 << 20,
         kv_cache_bytes=128 << 20,
         checks=4,
+        load_decision="load",  # a tiny model: the measured decision would recompute
     )
     result = run_trace_bench(
         tmp_path,

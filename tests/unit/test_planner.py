@@ -586,3 +586,62 @@ def test_load_by_layer_stays_asynchronous_where_it_cannot_be_done_safely(
     assert not s.by_layer
     assert "loads stay asynchronous" in caplog.text
     assert s.matched_tokens(FakeRequest.make("r", 6 * B), 0) == (4 * B, True)
+
+
+def test_a_hit_measured_slower_to_load_than_to_compute_is_computed_and_counted_once() -> None:
+    """The workers' reports are the costs' samples: with loads measured slower than
+    the forward computes the same tokens, a hit is answered 0 (vLLM computes it),
+    counted once per request however often vLLM asks; forced to load, it loads."""
+    slow = WorkerReport(forward=(512, 0.01), loads={"x": (256, 0.5)})
+    for policy, loads in (("measured", False), ("load", True)):
+        s, _, _ = side(hit=8 * B, load_decision=policy)
+        req = FakeRequest.make("r", 9 * B)
+        assert s.matched_tokens(req, 0) == (8 * B, True)  # no samples yet: load
+        for _ in range(3):
+            s.worker_output(slow)
+            s.worker_output(WorkerReport(forward=(2, 0.001)))  # a decode step
+        for _ in range(3):  # vLLM asks again while it cannot schedule the request
+            assert s.matched_tokens(req, 0) == ((8 * B, True) if loads else (0, False))
+        assert s.recomputed == ((0, 0) if loads else (1, 8 * B))
+        s.forget("r")
+        s.matched_tokens(FakeRequest.make("r2", 9 * B), 0)
+        assert s.recomputed == ((0, 0) if loads else (2, 16 * B))
+    # Loads measured fast: hits load.
+    s, _, _ = side(hit=8 * B)
+    for _ in range(3):
+        s.worker_output(WorkerReport(forward=(512, 0.5), loads={"x": (256, 0.001)}))
+    assert s.matched_tokens(FakeRequest.make("r", 9 * B), 0) == (8 * B, True)
+    assert s.recomputed == (0, 0)
+
+
+def test_workers_reports_merge_to_the_slowest_workers_times() -> None:
+    a = WorkerReport(forward=(512, 0.02), loads={"x": (64, 0.1), "y": (32, 0.3)})
+    b = WorkerReport(forward=(512, 0.03), loads={"x": (64, 0.2)})
+    merged = a.merged(b)
+    assert merged.forward == (512, 0.03)
+    assert merged.loads == {"x": (64, 0.2), "y": (32, 0.3)}
+    assert WorkerReport().merged(a).forward == (512, 0.02)
+    assert WorkerReport().merged(WorkerReport()).forward is None
+
+
+def test_a_step_plan_carries_the_tokens_its_forward_computes() -> None:
+    s, _, manager = side(hit=0)
+    req = FakeRequest.make("r", 3 * B)
+    s.matched_tokens(req, 0)
+    manager.tables["r"] = ([1, 2, 3],)
+    s.after_alloc(req, 0)
+    assert s.build_meta(step([("r", 0)], {"r": 3 * B})).tokens == 3 * B
+
+
+def test_a_recomputed_hit_saves_only_the_chunks_past_it() -> None:
+    """The hit's chunks are in the pool: the request computes them, and saves from
+    the end of its hit on."""
+    s, _, manager = side(hit=4 * B, load_decision="recompute")
+    req = FakeRequest.make("r", 7 * B)
+    assert s.matched_tokens(req, 0) == (0, False)
+    manager.tables["r"] = ([1, 2, 3, 4, 5, 6, 7],)
+    s.after_alloc(req, 0)
+    meta = s.build_meta(step([("r", 0)], {"r": 7 * B}))
+    assert not meta.loads
+    assert [c.chunk for c in meta.saves[0].chunks] == [4, 5, 6]
+    assert s.recomputed == (1, 4 * B)

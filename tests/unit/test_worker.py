@@ -442,7 +442,11 @@ def test_a_save_refused_for_busy_staging_is_retried_by_the_worker_until_stored()
         worker.start_saves(StepPlan())  # each step: refused objects go again
         time.sleep(0.01)
     assert keys <= store._objects.keys()  # chunks 2-4, refused at first, are in the pool
-    assert worker.worker_meta() is None  # nothing for the scheduler to plan again
+    report = worker.worker_meta()
+    assert report is not None and not report.failed_hashes  # nothing to plan again
+    # ... but how long request "b" waited for its load, for the scheduler's costs
+    ((tokens, seconds),) = report.loads.values()
+    assert set(report.loads) == {"b"} and tokens == B and seconds > 0
     assert worker.engine is engine and worker.store is store  # not retired
     stats = worker.stats()
     assert stats is not None and stats.chunks_refused["staging_busy"] >= 3
@@ -812,3 +816,27 @@ def test_loads_by_layer_not_waited_for_by_the_forward_end_before_saves_and_finis
     assert loader.finished() == (set(), set()) and loader.load_errors() == set()
     saver.close()
     loader.close()
+
+
+def test_a_step_reports_its_forwards_time_without_the_workers_own() -> None:
+    """The forward's time is taken from ``step_began`` to ``start_saves``, less the
+    time spent in the worker between (a flush of freed requests' saves, loads by
+    layer): what computing the step's tokens cost, for the load-or-recompute
+    decision (``kvpool.connector.costs``)."""
+    worker, _ = plain_worker()
+    worker.step_began()
+    start = time.perf_counter()
+    time.sleep(0.05)  # the forward
+    worker.start_saves(StepPlan(tokens=300))
+    took = time.perf_counter() - start
+    report = worker.worker_meta()
+    assert report is not None and report.forward is not None
+    tokens, seconds = report.forward
+    assert tokens == 300 and 0.05 <= seconds <= took
+    assert worker.worker_meta() is None  # reported once
+    # A step with no tokens (vLLM's empty steps) is no sample; nor one not begun.
+    worker.step_began()
+    worker.start_saves(StepPlan(tokens=0))
+    worker.start_saves(StepPlan(tokens=10))
+    assert worker.worker_meta() is None
+    worker.close()

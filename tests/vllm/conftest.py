@@ -41,8 +41,9 @@ def run_engine(tmp_path: Path) -> RunEngine:
         if isinstance(extra, dict) and "pool_file" in extra:
             # These tests assert hits, not lookup or load latency (tiers run side by
             # side in CI): a slow lookup or load on a loaded machine must not turn
-            # into a miss.
-            deadlines = {"lookup_timeout_ms": 2000, "load_timeout_s": 60}
+            # into a miss; nor may a tiny model's cheap forward turn a hit into a
+            # recompute (``load_decision``: tests of the decision set their own).
+            deadlines = {"lookup_timeout_ms": 2000, "load_timeout_s": 60, "load_decision": "load"}
             spec = {**spec, "extra": {**deadlines, **extra}}
         return EngineSession.run(
             spec, tmp_path, f"engine{count[0]}", env={"PYTHONPATH": pythonpath}

@@ -272,7 +272,8 @@ def _run_ratio(
                 "dtype": shape.dtype,
                 "max_model_len": w.prefix_tokens + w.suffix_tokens + 2 * BLOCK,
                 "connector": "kvpool",
-                "extra": {"pool_file": str(pool_file)},
+                # Measures the pool's hits: loaded whatever the model's compute costs.
+                "extra": {"pool_file": str(pool_file), "load_decision": "load"},
                 "prefix_caching": w.local_cache,
                 # An unrelated prompt first, shorter than a block: no request pays the
                 # process's first-request costs, and the pool never sees it.

@@ -392,7 +392,10 @@ def run_engine_bench(
         for name in connectors:
             spec = {**base_spec, "prompts": ids, "connector": name}
             if name == "kvpool":
-                spec["extra"] = {"pool_file": str(pool_file), **(extra or {})}
+                # Measures the load path: hits load whatever the model's compute
+                # costs, unless ``extra`` says otherwise.
+                spec["extra"] = {"pool_file": str(pool_file), "load_decision": "load",
+                                 **(extra or {})}  # fmt: skip
             before = master_metrics(cfg.metrics_url)
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)

@@ -76,6 +76,7 @@ class Fleet:
     max_num_seqs: int = 8
     bind_cores: bool = True  # server k's forward on core k, when there are enough
     checks: int = 8  # answers asked again of another server, per connector
+    load_decision: str = "measured"  # kvpool's setting: load or recompute a hit
 
     @property
     def flop_per_kv_byte(self) -> float:
@@ -103,6 +104,7 @@ class ConfigRun:
     refused_puts: int  # puts the pool refused for lack of space
     missed_tokens: int  # see the module docstring
     checks: tuple[Check, ...] = ()
+    recomputed_tokens: int = 0  # kvpool: tokens of pool hits computed instead (load_decision)
 
     @property
     def errors(self) -> int:
@@ -132,6 +134,16 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
         return None
     rank = max(1, -(-len(sorted_values) * q // 100))
     return sorted_values[int(min(rank, len(sorted_values))) - 1]
+
+
+def _summed(servers: Sequence[VllmServer], metric: str) -> int:
+    """A counter of ``/metrics`` summed over every label and server."""
+    return sum(
+        int(value)
+        for server in servers
+        for key, value in parse_metrics(server.metrics()).items()
+        if key.split("{", 1)[0] == metric
+    )
 
 
 def _tokens_by_source(servers: Sequence[VllmServer]) -> dict[str, int]:
@@ -219,7 +231,8 @@ def _run_config(
         args, env = _engine_args(fleet, max_len), dict(RESERVED_CPUS)
         if name == "kvpool":
             pool_file = pool.write_pool_file(workdir / "pool.json")
-            args += ["--kv-transfer-config", kv_transfer_config(str(pool_file))]
+            config = kv_transfer_config(str(pool_file), load_decision=fleet.load_decision)
+            args += ["--kv-transfer-config", config]
         elif name == "mooncake":
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
@@ -238,6 +251,7 @@ def _run_config(
         answers = replay(turns, [s.url for s in servers], str(model), pacing)
         wall = time.monotonic() - t0
         after, evict1 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
+        recomputed = _summed(servers, "vllm:kvpool_tokens_recomputed_total")
         urls = [s.url for s in servers]
         checks = _check(turns, answers, urls, str(model), pacing, fleet.checks * (name != "none"))
         for server in servers:  # a dead engine leaves its API server answering 500s
@@ -262,6 +276,7 @@ def _run_config(
         evicted=grew("master_evicted_key_count"),
         refused_puts=grew("master_put_start_alloc_failures_total"),
         missed_tokens=missed,
+        recomputed_tokens=recomputed,
         checks=tuple(checks),
     )
 

@@ -267,7 +267,9 @@ def run_serve_bench(
             # doing).
             args, env = list(engine_args), dict(RESERVED_CPUS)
             if name == "kvpool":
-                args += ["--kv-transfer-config", kv_transfer_config(pool_file)]
+                # Measures the pool's hits: loaded whatever the model's compute costs.
+                config = kv_transfer_config(pool_file, load_decision="load")
+                args += ["--kv-transfer-config", config]
             elif name == "mooncake":
                 args += ["--kv-transfer-config", json.dumps({
                     "kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",

@@ -155,8 +155,10 @@ class ChaosContext:
             if pool_file is None and pool is not None:
                 pool_file = str(pool.write_pool_file(pool.home / "pool.json"))
             # Rows assert hits and misses, not lookup latency: a loaded machine must not
-            # turn a slow lookup into a miss (a row that tests the deadline sets its own).
-            spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000, **extra}
+            # turn a slow lookup into a miss (a row that tests the deadline sets its own),
+            # nor a tiny model's cheap forward a hit into a recompute (load_decision).
+            spec["extra"] = {"pool_file": pool_file, "lookup_timeout_ms": 2000,
+                             "load_decision": "load", **extra}  # fmt: skip
         if dtype:
             spec["dtype"] = dtype
         return spec

@@ -24,6 +24,7 @@ from kvpool.cli.bench_cmd import _size, bench, print_result
 from kvpool.cli.bench_vllm_cmd import connectors_or_fail, shape_or_fail
 from kvpool.cli.charts import Series, line_chart, plot_option
 from kvpool.cli.console import TABLE_HELP, PhaseBars, bench_table
+from kvpool.connector.costs import POLICIES
 from kvpool.demo.shapes import LLAMA3_8B_FLOP_PER_KV_BYTE, SHAPES
 
 __all__ = ["trace_chart", "trace_table"]
@@ -47,7 +48,8 @@ def trace_table(result: TraceBench) -> Table:
         f"tokens), {f.servers} servers, {p.router}, {loop}, {pace}, {p.output_tokens} out; "
         f"{f.shape.kv_bytes_per_token >> 10} KiB KV/token, "
         f"{f.flop_per_kv_byte / 1000:.0f}k FLOP per KV byte "
-        f"(Llama-3-8B {LLAMA3_8B_FLOP_PER_KV_BYTE / 1000:.0f}k); pool {f.pool_bytes >> 20} MiB"
+        f"(Llama-3-8B {LLAMA3_8B_FLOP_PER_KV_BYTE / 1000:.0f}k); pool {f.pool_bytes >> 20} MiB; "
+        f"kvpool load_decision {f.load_decision}"
     )
     columns = ("fleet", "p50", "p90", "p99", "e2e", "req/s", "tok/s", "own", "pool", "reuse",
                "miss", "err")  # fmt: skip
@@ -82,10 +84,13 @@ def _checks(run: ConfigRun) -> str:
         return "no answer asked again"
     same = sum(c.same_tokens for c in run.checks)
     diff = max(c.logprob_diff for c in run.checks)
-    return (
+    out = (
         f"{same} of {len(run.checks)} answers asked again of another server with as many "
         f"tokens cached gave the same tokens (logprobs within {diff:.1g})"
     )
+    if run.name == "kvpool":
+        out += f", {run.recomputed_tokens:,} tokens of pool hits computed instead of loaded"
+    return out
 
 
 def _row(result: TraceBench, run: ConfigRun) -> tuple[str, ...]:
@@ -155,6 +160,13 @@ def trace_chart(result: TraceBench) -> str:
 @click.option("--pool-size", default="2GiB", show_default=True, callback=_size)
 @click.option("--kv-cache", default="1GiB", show_default=True, callback=_size,
               help="Each server's own KV cache (vLLM's --kv-cache-memory-bytes).")  # fmt: skip
+@click.option(
+    "--load-decision",
+    default="measured",
+    show_default=True,
+    type=click.Choice(POLICIES),
+    help="kvpool's load_decision setting",
+)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--json", "as_json", is_flag=True)
@@ -179,6 +191,7 @@ def bench_trace(
     speedup: float | None,
     pool_size: int,
     kv_cache: int,
+    load_decision: str,
     seed: int,
     workdir: Path | None,
     as_json: bool,
@@ -209,6 +222,7 @@ def bench_trace(
         servers=servers,
         pool_bytes=pool_size,
         kv_cache_bytes=kv_cache,
+        load_decision=load_decision,
     )
     pacing = Pacing(
         block_tokens=block_tokens,

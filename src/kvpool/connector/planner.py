@@ -12,7 +12,11 @@
         ``computed``: whole chunks, never the prompt's last token, or None while
         an async lookup is pending; whether the load is asynchronous: not with
         ``by_layer``). It caches the plan, and with ``lookup_async`` starts a
-        lookup (asked again next step) instead of waiting for one.
+        lookup (asked again next step) instead of waiting for one. A hit is
+        loaded only if ``costs`` (``kvpool.connector.costs``, setting
+        ``load_decision``) says loading it is faster than computing it; else
+        0 (counted in ``recomputed``, the reason in the DEBUG log).
+    Planner.recomputed  (requests, tokens) whose hit was computed instead
     Planner.by_layer  loads happen in the step that computes the rest of the
         prompt, waited for layer band by layer band (setting ``load_by_layer``,
         staged loads, one KV group); such a load is never reported finished, and
@@ -35,7 +39,8 @@
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
         failed load never loops; with ``events``, a chunk whose every object
         (the layout's objects per chunk, over all ranks) reached the pool
-        becomes an event (``stored_event``)
+        becomes an event (``stored_event``); the forward's and the loads' times
+        go to ``costs`` (a forward's times the pipeline stages: they run in turn)
     Planner.take_events()  the KV events since the last call
 
 Chunks are named by kvpool's own hash chain (``kvpool.chunkhash``) over each
@@ -71,6 +76,7 @@ from typing import Any, Protocol
 
 from kvpool.chunkhash import ChunkChain
 from kvpool.chunks import countable_chunks
+from kvpool.connector.costs import LoadCosts
 from kvpool.connector.identity import EngineIdentity
 from kvpool.connector.steps import NULL_BLOCK, ChunkOp, RequestOps, StepPlan, WorkerReport
 from kvpool.errors import ConfigError
@@ -186,6 +192,12 @@ class Planner:
         self._chains: dict[str, ChunkChain] = {}  # req -> its chunk hashes so far
         self.lookups = 0
         self.hit_tokens = 0
+        self.costs = LoadCosts(settings.load_decision, small_step=identity.chunk_size)
+        # request -> the end (chunks) of its hit, computed instead of loaded: in the
+        # pool already, so its saves start there
+        self._recomputing: dict[str, int] = {}
+        self._recomputed_requests = 0
+        self._recomputed_tokens = 0
         self.events = events
         layout = identity.layout
         self._objects_per_chunk = sum(len(layout.contents(g)) for g in range(len(layout.groups)))
@@ -289,13 +301,32 @@ class Planner:
         need = hit - num_computed_tokens
         if need <= 0 or num_computed_tokens % chunk:
             return 0, False
+        decision = self.costs.decide(need)
+        if decision.reason != "forced" and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvpool: request %s: a hit of %d tokens: %s",
+                         req_id, need, decision.describe())  # fmt: skip
+        if not decision.load:
+            if req_id not in self._recomputing:  # vLLM may ask again in later steps
+                self._recomputing[req_id] = hit // chunk
+                self._recomputed_requests += 1
+                self._recomputed_tokens += need
+            return 0, False
+        self._recomputing.pop(req_id, None)  # asked again and loaded after all (counted)
         self._planned[req_id] = (num_computed_tokens // chunk, hit // chunk)
         return need, not self.by_layer
+
+    @property
+    def recomputed(self) -> tuple[int, int]:
+        """(requests, tokens) whose pool hit was computed instead of loaded, so far
+        (the requests still running and those ended: a running total)."""
+        return self._recomputed_requests, self._recomputed_tokens
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.pool_end = self._pool_end.pop(request.request_id, state.pool_end)
         plan = self._planned.pop(request.request_id, None)
+        if request.request_id in self._recomputing:  # its hit's chunks: in the pool
+            state.saved = max(state.saved, self._recomputing[request.request_id])
         if num_external_tokens > 0 and plan is not None:
             state.load = plan
             self.hit_tokens += num_external_tokens
@@ -352,6 +383,7 @@ class Planner:
         for req_id in out.finished_req_ids:
             self.forget(req_id)
         meta.idle = not out.num_scheduled_tokens
+        meta.tokens = sum(out.num_scheduled_tokens.values())
         return meta
 
     def _chunk_ops(
@@ -460,6 +492,7 @@ class Planner:
         self._chains.pop(req_id, None)
         self._planned.pop(req_id, None)
         self._pool_end.pop(req_id, None)
+        self._recomputing.pop(req_id, None)
         if req_id in self._async_started:
             self._async_started.discard(req_id)
             self.lookup.cancel(req_id)
@@ -469,6 +502,12 @@ class Planner:
         self._loading.difference_update(req_ids or ())
 
     def worker_output(self, meta: Any) -> None:
+        if isinstance(meta, WorkerReport):
+            if meta.forward is not None:
+                tokens, seconds = meta.forward
+                self.costs.stepped(tokens, seconds * self.identity.layout.pp)
+            for tokens, seconds in meta.loads.values():
+                self.costs.loaded(tokens, seconds)
         if isinstance(meta, WorkerReport) and meta.stored and self.events:
             self._stored(meta.stored, meta.fresh)
         if isinstance(meta, WorkerReport) and meta.failed_hashes:

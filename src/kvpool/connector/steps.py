@@ -9,8 +9,10 @@
                   freed since the last step, and the finished requests whose
                   blocks vLLM holds until every worker reports their saves done
     WorkerReport  workers -> scheduler: chunk hashes whose load failed, so lookups
-                  stop reporting them, and (KV events) the objects each worker's
-                  saves stored; ``merged`` sums two workers' reports
+                  stop reporting them, (KV events) the objects each worker's
+                  saves stored, and the times of this step's forward and of the
+                  loads that ended (``kvpool.connector.costs``' samples);
+                  ``merged`` sums two workers' reports (times: the slowest)
 
 Plain records, no vLLM: ``kvpool.vllm.metadata`` makes ``StepPlan`` and
 ``WorkerReport`` vLLM's connector metadata (the same fields).
@@ -67,6 +69,9 @@ class StepPlan:
     # vLLM keeps their blocks until each worker lists them as finished sending
     # (their saves, and the retries of refused ones, are done or given up).
     finishing: frozenset[str] = frozenset()
+    # Tokens computed by this step's forward (all requests): the forward's time
+    # per token is what recomputing a pool hit would cost.
+    tokens: int = 0
 
 
 @dataclass
@@ -79,12 +84,26 @@ class WorkerReport:
     # reaches the layout's objects per chunk
     stored: dict[bytes, int] = field(default_factory=dict)
     fresh: set[bytes] = field(default_factory=set)  # chunks with an object put just now
+    # (tokens, seconds) of this step's forward on this worker, if it was timed
+    forward: tuple[int, float] | None = None
+    # request id -> (tokens, seconds) of its load that ended this step without a
+    # failure: from its submit to this report (what the request waited)
+    loads: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def merged(self, other: WorkerReport) -> WorkerReport:
-        """This report and ``other`` summed: every failed chunk, every stored object."""
+        """This report and ``other`` summed: every failed chunk, every stored object;
+        of times, the slowest worker's (the step and a load end with the last rank)."""
         stored = dict(self.stored)
         for h, n in other.stored.items():
             stored[h] = stored.get(h, 0) + n
+        forwards = [f for f in (self.forward, other.forward) if f is not None]
+        loads = dict(self.loads)
+        for req_id, sample in other.loads.items():
+            loads[req_id] = max(loads.get(req_id, sample), sample, key=lambda s: s[1])
         return type(self)(
-            self.failed_hashes | other.failed_hashes, stored, self.fresh | other.fresh
+            self.failed_hashes | other.failed_hashes,
+            stored,
+            self.fresh | other.fresh,
+            max(forwards, key=lambda f: f[1]) if forwards else None,
+            loads,
         )

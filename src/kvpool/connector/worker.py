@@ -33,9 +33,13 @@
         (``meta.finishing``) and whose saves are now done: no save job in flight
         and no refused object left to retry, or retries given up after
         ``drain.DRAIN_LIMIT_S``; each reported once (vLLM's finished sending)
+    Worker.step_began()         the forward is about to run (vLLM binds the
+        step's plan): the forward's time is taken from here to ``start_saves``,
+        less the time spent in this worker meanwhile
     Worker.worker_meta()        chunk hashes that failed to load, for the
-        scheduler's lookup suppression; and (``events``) the objects per chunk
-        hash that this worker's saves put in the pool
+        scheduler's lookup suppression; (``events``) the objects per chunk hash
+        that this worker's saves put in the pool; and the times of this step's
+        forward and of the loads that ended (``kvpool.connector.costs``)
 
 A request whose load finished is always reported finished, failed or not.
 
@@ -125,6 +129,11 @@ class Worker:
         self._local: dict[int, int] = {}  # vLLM group index -> index in _groups
         self._jobs = itertools.count()
         self._loads: dict[object, tuple[str, dict[str, bytes]]] = {}  # job -> (req, key->hash)
+        self._load_began: dict[object, tuple[int, float]] = {}  # job -> (tokens, submitted)
+        self._load_times: dict[str, tuple[int, float]] = {}  # req -> (tokens, seconds)
+        self._forward: tuple[int, float] | None = None  # this step's (tokens, seconds)
+        self._step_t0: float | None = None  # perf_counter at step_began
+        self._own_s = 0.0  # time spent in this worker since step_began
         self._invalid: set[int] = set()
         self._failed_hashes: set[bytes] = set()
         self._events = events  # report stored chunks (for vLLM's KV events)
@@ -375,7 +384,18 @@ class Worker:
         self._book.finishing(meta.finishing, time.monotonic())
         self._book.freed(meta.freed)  # their blocks may hold other bytes from now on
 
+    def step_began(self) -> None:
+        self._step_t0 = time.perf_counter()
+        self._own_s = 0.0
+
     def start_loads(self, meta: StepPlan) -> None:
+        start = time.perf_counter()
+        try:
+            self._start_loads(meta)
+        finally:
+            self._own_s += time.perf_counter() - start
+
+    def _start_loads(self, meta: StepPlan) -> None:
         self._requests_ended(meta)
         for ops in meta.loads:
             if self.engine is None:
@@ -390,6 +410,10 @@ class Worker:
                 continue
             job = ("load", next(self._jobs))
             self._loads[job] = (ops.req_id, {r.key: h for r, h in refs})
+            self._load_began[job] = (
+                len(ops.chunks) * self.identity.chunk_size,
+                time.monotonic(),
+            )
             self.engine.submit_load(job, [r for r, _ in refs])
 
     def _load_by_band(self, req_id: str, refs: list[tuple[ChunkRef, bytes]]) -> None:
@@ -420,6 +444,7 @@ class Worker:
                 req_id, hashes = self._layered.pop(result.job_id)
                 self._load_ended(req_id, hashes, result)
                 self._layered_done.append(result)  # for the next ``finished``'s health check
+            self._own_s += time.perf_counter() - start
             logger.debug(
                 "kvpool: waited %.1f ms for layer band(s) up to %d",
                 (time.perf_counter() - start) * 1e3,
@@ -459,6 +484,10 @@ class Worker:
         return True
 
     def start_saves(self, meta: StepPlan) -> None:
+        if self._step_t0 is not None and meta.tokens > 0:
+            seconds = time.perf_counter() - self._step_t0 - self._own_s
+            self._forward = (meta.tokens, seconds)
+        self._step_t0 = None
         self._requests_ended(meta)
         if self.engine is None:
             return
@@ -497,6 +526,7 @@ class Worker:
             return
         start = time.perf_counter()
         self.engine.wait_reads(jobs)
+        self._own_s += time.perf_counter() - start
         self._book.drop_jobs(jobs)  # freed: their refusals are not retried
         logger.debug(
             "kvpool: waited %.1f ms for %d save(s) of freed requests",
@@ -531,9 +561,12 @@ class Worker:
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
+            began = self._load_began.pop(result.job_id, None)
             done.add(req_id)
             if self._load_ended(req_id, hashes, result):
                 failed.add(req_id)
+            elif began is not None:
+                self._load_times[req_id] = (began[0], time.monotonic() - began[1])
         reading = (
             self.engine.reading(self._book.jobs)
             if self.engine is not None and self._book.has_finishing
@@ -580,10 +613,13 @@ class Worker:
         return out
 
     def worker_meta(self) -> WorkerReport | None:
-        if not self._failed_hashes and not self._stored:
+        if not (self._failed_hashes or self._stored or self._forward or self._load_times):
             return None
-        out = self._new_report(self._failed_hashes, self._stored, self._fresh)
+        out = self._new_report(
+            self._failed_hashes, self._stored, self._fresh, self._forward, self._load_times
+        )
         self._failed_hashes, self._stored, self._fresh = set(), {}, set()
+        self._forward, self._load_times = None, {}
         return out
 
     def stats(self) -> TransferStats | None:

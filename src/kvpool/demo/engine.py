@@ -261,6 +261,7 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
     sched = sched_connector._sched
     if sched is not None:
         out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
+        out["hits_recomputed"], out["tokens_recomputed"] = sched.recomputed
         client_stats = getattr(sched.lookup, "stats", None)
         if client_stats is not None:  # lookups answered as misses, by cause
             out["lookup_failures"] = dict(client_stats.misses)

@@ -185,7 +185,10 @@ def run_demo(
             "max_tokens": 8,
             "connector": "kvpool",
             "block_size": 32,
-            "extra": {"pool_file": str(pool_file)},
+            # The demo shows what a pool hit is (loads, answers like a local hit): its
+            # small model computes a prefix faster than it loads, so the measured
+            # load_decision would recompute most hits. Forced to load.
+            "extra": {"pool_file": str(pool_file), "load_decision": "load"},
             "progress": True,
             "warmup": True,
             "warmup_tokens": 16,  # shorter than a block: the pool never sees it

@@ -376,6 +376,11 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
             self._worker.flush_saves(kv_connector_metadata.freed)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:  # the forward runs next: its time is a cost sample
+            self._worker.step_began()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
@@ -443,7 +448,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             data = self._worker.interval_stats()
         elif self._lookup_client is not None:  # the scheduler: its lookups
             stats = self._lookup_client.stats
-            data = self._lookups.take(stats.lookups, stats.misses)
+            recomputed = self._sched.recomputed if self._sched is not None else (0, 0)
+            data = self._lookups.take(stats.lookups, stats.misses, recomputed)
         return KVPoolStats(data=data) if data is not None else None
 
     @classmethod

@@ -46,6 +46,9 @@ COUNTERS = {
     "puts_no_space": "Chunk objects whose put met a full pool and went again once it "
     "had evicted (those still refused after a while: transfer_failures{cause=no_space})",
     "lookups": "Lookups the scheduler asked the pool (answered, failed or timed out)",
+    "hits_recomputed": "Requests whose pool hit was computed instead of loaded, loading "
+    "it being measured slower (load_decision measured, or recompute)",
+    "tokens_recomputed": "Tokens of those hits, computed instead of loaded",
 }
 # Counters with a second label: data key of the per-label counts -> (name, label, doc).
 LABELED = {
@@ -69,14 +72,23 @@ class LookupInterval:
     def __init__(self) -> None:
         self._lookups = 0
         self._failures: Counter[str] = Counter()
+        self._recomputed = (0, 0)
 
-    def take(self, lookups: int, failures: Mapping[str, int]) -> dict[str, Any] | None:
-        """The interval's data from the client's running totals; None if nothing new."""
+    def take(
+        self, lookups: int, failures: Mapping[str, int], recomputed: tuple[int, int] = (0, 0)
+    ) -> dict[str, Any] | None:
+        """The interval's data from the running totals (the client's lookups and
+        failures; the planner's hits recomputed and their tokens); None if nothing new."""
         new = {k: v - self._failures[k] for k, v in failures.items() if v > self._failures[k]}
-        if lookups == self._lookups and not new:
+        if lookups == self._lookups and not new and recomputed == self._recomputed:
             return None
-        out = {"lookups": lookups - self._lookups, "lookup_failures_by_reason": new}
-        self._lookups, self._failures = lookups, Counter(failures)
+        out = {
+            "lookups": lookups - self._lookups,
+            "lookup_failures_by_reason": new,
+            "hits_recomputed": recomputed[0] - self._recomputed[0],
+            "tokens_recomputed": recomputed[1] - self._recomputed[1],
+        }
+        self._lookups, self._failures, self._recomputed = lookups, Counter(failures), recomputed
         return out
 
 

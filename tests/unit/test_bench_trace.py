@@ -274,7 +274,8 @@ def _run(name: str, ttfts: list[float], tokens: tuple[int, int, int]) -> ConfigR
     local, pool, computed = tokens
     by_source = {"local_cache_hit": local, "external_kv_transfer": pool, "local_compute": computed}
     checks = (Check(1, (1, 0), 64, True, 2e-6), Check(3, (1, 0), 32, True, 1e-5))
-    return ConfigRun(name, answers, 10.0, by_source, 3, 0, 250, checks)
+    moved = {"bytes_saved": 4 << 20, "bytes_loaded": 3 << 20} if name == "kvpool" else {}
+    return ConfigRun(name, answers, 10.0, by_source, 3, 0, 250, checks, 96, **moved)
 
 
 def test_the_table_fits_80_columns_and_shows_each_fleet_beside_the_references() -> None:
@@ -305,6 +306,9 @@ def test_the_table_fits_80_columns_and_shows_each_fleet_beside_the_references() 
     caption = " ".join(text.split())
     assert "kvpool: 3 objects evicted, 0 puts refused, 2 of 2 answers asked again" in caption
     assert "(logprobs within 1e-05)" in caption
+    # kvpool's load decision and its write efficiency: bytes read per byte written
+    assert "96 tokens of pool hits computed instead of loaded, 4 MiB written and 3 read" in caption
+    assert "(0.75 read per byte written)" in caption and "load_decision measured" in caption
     assert rows["ideal"][1:] == ["60%"] and rows["LRU"][1:] == ["50%"]
     import xml.etree.ElementTree as ET
 

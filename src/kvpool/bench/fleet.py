@@ -105,6 +105,14 @@ class ConfigRun:
     missed_tokens: int  # see the module docstring
     checks: tuple[Check, ...] = ()
     recomputed_tokens: int = 0  # kvpool: tokens of pool hits computed instead (load_decision)
+    # kvpool: payload bytes its servers wrote to the pool and read from it, over the replay
+    bytes_saved: int = 0
+    bytes_loaded: int = 0
+
+    @property
+    def write_efficiency(self) -> float | None:
+        """Bytes read from the pool per byte written to it (None: nothing written)."""
+        return self.bytes_loaded / self.bytes_saved if self.bytes_saved else None
 
     @property
     def errors(self) -> int:
@@ -247,11 +255,14 @@ def _run_config(
         for server in servers:  # the process's first-request costs, on no pooled prompt
             server.complete([11] * (BLOCK // 2), max_tokens=2)
         before, evict0 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
+        moved0 = [_summed(servers, f"vllm:kvpool_bytes_{m}_total") for m in ("saved", "loaded")]
         t0 = time.monotonic()
         answers = replay(turns, [s.url for s in servers], str(model), pacing)
         wall = time.monotonic() - t0
         after, evict1 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
         recomputed = _summed(servers, "vllm:kvpool_tokens_recomputed_total")
+        moved = [_summed(servers, f"vllm:kvpool_bytes_{m}_total") - m0
+                 for m, m0 in zip(("saved", "loaded"), moved0, strict=True)]  # fmt: skip
         urls = [s.url for s in servers]
         checks = _check(turns, answers, urls, str(model), pacing, fleet.checks * (name != "none"))
         for server in servers:  # a dead engine leaves its API server answering 500s
@@ -277,6 +288,8 @@ def _run_config(
         refused_puts=grew("master_put_start_alloc_failures_total"),
         missed_tokens=missed,
         recomputed_tokens=recomputed,
+        bytes_saved=moved[0],
+        bytes_loaded=moved[1],
         checks=tuple(checks),
     )
 

@@ -89,7 +89,12 @@ def _checks(run: ConfigRun) -> str:
         f"tokens cached gave the same tokens (logprobs within {diff:.1g})"
     )
     if run.name == "kvpool":
-        out += f", {run.recomputed_tokens:,} tokens of pool hits computed instead of loaded"
+        eff = run.write_efficiency
+        out += (
+            f", {run.recomputed_tokens:,} tokens of pool hits computed instead of loaded, "
+            f"{run.bytes_saved / 2**20:,.0f} MiB written and {run.bytes_loaded / 2**20:,.0f} "
+            f"read (" + ("-" if eff is None else f"{eff:.2f}") + " read per byte written)"
+        )
     return out
 
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvpool.bench.fleet import Fleet, run_trace_bench
 from kvpool.bench.replay import Pacing
 from kvpool.bench.trace import Sample, read_trace, reuse, select
 from kvpool.demo.shapes import ModelShape
+
+# Two fleets of two servers: an engine tier's length, run beside the vllm tier in CI
+# (the other tiers take longer).
+pytestmark = pytest.mark.vllm
 
 TRACE = Path(__file__).resolve().parents[2] / "traces" / "conversation_trace.jsonl.gz"
 

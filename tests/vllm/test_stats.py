@@ -62,17 +62,22 @@ def test_prometheus_metrics_are_exported() -> None:
 def test_lookup_intervals_count_lookups_and_failures_by_reason() -> None:
     interval = LookupInterval()
     assert interval.take(0, {}) is None
+    none = {"hits_recomputed": 0, "tokens_recomputed": 0}
     first = interval.take(5, Counter(timeout=2))
-    assert first == {"lookups": 5, "lookup_failures_by_reason": {"timeout": 2}}
+    assert first == {"lookups": 5, "lookup_failures_by_reason": {"timeout": 2}, **none}
     assert interval.take(5, Counter(timeout=2)) is None  # nothing new
-    second = interval.take(9, Counter(timeout=2, store_unavailable=1))
-    assert second == {"lookups": 4, "lookup_failures_by_reason": {"store_unavailable": 1}}
+    second = interval.take(9, Counter(timeout=2, store_unavailable=1), (2, 640))
+    assert second == {"lookups": 4, "lookup_failures_by_reason": {"store_unavailable": 1},
+                      "hits_recomputed": 2, "tokens_recomputed": 640}  # fmt: skip
+    third = interval.take(9, Counter(timeout=2, store_unavailable=1), (3, 800))
+    assert third is not None and (third["hits_recomputed"], third["tokens_recomputed"]) == (1, 160)
     merged = KVPoolStats(data=first).aggregate(KVPoolStats(data=second))
     assert not merged.is_empty()
     reduced = merged.reduce()
     assert reduced["lookups"] == 9
     assert reduced["lookup_failures_timeout"] == 2
     assert reduced["lookup_failures_store_unavailable"] == 1
+    assert reduced["hits_recomputed"] == 2 and reduced["tokens_recomputed"] == 640
 
 
 def test_failures_are_exported_with_their_cause_and_reason() -> None:

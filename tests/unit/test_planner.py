@@ -4,6 +4,7 @@ load and save plans, full-hit cut, suppression, roles, limits, pins, drains, eve
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -588,18 +589,37 @@ def test_load_by_layer_stays_asynchronous_where_it_cannot_be_done_safely(
     assert s.matched_tokens(FakeRequest.make("r", 6 * B), 0) == (4 * B, True)
 
 
+def loads_taking(s: Planner, seconds: float, n: int = 3) -> None:
+    """``n`` loads of 8 chunks planned and reported ``seconds`` later (the planner
+    times each from ``after_alloc`` to ``loads_ended``)."""
+    clock = [1000.0]
+    real = time.monotonic
+    time.monotonic = lambda: clock[0]
+    try:
+        for i in range(n):
+            req = FakeRequest.make(f"load{i}", 9 * B)
+            assert s.matched_tokens(req, 0) == (8 * B, True)
+            s.after_alloc(req, 8 * B)
+            clock[0] += seconds
+            s.loads_ended({f"load{i}"})
+            s.forget(f"load{i}")
+    finally:
+        time.monotonic = real
+
+
 def test_a_hit_measured_slower_to_load_than_to_compute_is_computed_and_counted_once() -> None:
-    """The workers' reports are the costs' samples: with loads measured slower than
-    the forward computes the same tokens, a hit is answered 0 (vLLM computes it),
-    counted once per request however often vLLM asks; forced to load, it loads."""
-    slow = WorkerReport(forward=(512, 0.01), loads={"x": (256, 0.5)})
+    """The costs' samples: the workers' forward times, and each load's wait from the
+    step that planned it to its report. With loads measured slower than the forward
+    computes the same tokens, a hit is answered 0 (vLLM computes it), counted once
+    per request however often vLLM asks; forced to load, it loads."""
     for policy, loads in (("measured", False), ("load", True)):
         s, _, _ = side(hit=8 * B, load_decision=policy)
         req = FakeRequest.make("r", 9 * B)
         assert s.matched_tokens(req, 0) == (8 * B, True)  # no samples yet: load
         for _ in range(3):
-            s.worker_output(slow)
+            s.worker_output(WorkerReport(forward=(512, 0.01)))
             s.worker_output(WorkerReport(forward=(2, 0.001)))  # a decode step
+        loads_taking(s, 0.5)
         for _ in range(3):  # vLLM asks again while it cannot schedule the request
             assert s.matched_tokens(req, 0) == ((8 * B, True) if loads else (0, False))
         assert s.recomputed == ((0, 0) if loads else (1, 8 * B))
@@ -609,17 +629,19 @@ def test_a_hit_measured_slower_to_load_than_to_compute_is_computed_and_counted_o
     # Loads measured fast: hits load.
     s, _, _ = side(hit=8 * B)
     for _ in range(3):
-        s.worker_output(WorkerReport(forward=(512, 0.5), loads={"x": (256, 0.001)}))
+        s.worker_output(WorkerReport(forward=(512, 0.5)))
+    loads_taking(s, 0.001)
+    d = s.costs.decide(8 * B)
+    assert d.load and d.reason == "faster" and d.load_s == pytest.approx(0.001)
     assert s.matched_tokens(FakeRequest.make("r", 9 * B), 0) == (8 * B, True)
     assert s.recomputed == (0, 0)
 
 
-def test_workers_reports_merge_to_the_slowest_workers_times() -> None:
-    a = WorkerReport(forward=(512, 0.02), loads={"x": (64, 0.1), "y": (32, 0.3)})
-    b = WorkerReport(forward=(512, 0.03), loads={"x": (64, 0.2)})
+def test_workers_reports_merge_to_the_slowest_workers_forward() -> None:
+    a = WorkerReport(forward=(512, 0.02))
+    b = WorkerReport(forward=(512, 0.03))
     merged = a.merged(b)
     assert merged.forward == (512, 0.03)
-    assert merged.loads == {"x": (64, 0.2), "y": (32, 0.3)}
     assert WorkerReport().merged(a).forward == (512, 0.02)
     assert WorkerReport().merged(WorkerReport()).forward is None
 

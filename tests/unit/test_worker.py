@@ -442,11 +442,7 @@ def test_a_save_refused_for_busy_staging_is_retried_by_the_worker_until_stored()
         worker.start_saves(StepPlan())  # each step: refused objects go again
         time.sleep(0.01)
     assert keys <= store._objects.keys()  # chunks 2-4, refused at first, are in the pool
-    report = worker.worker_meta()
-    assert report is not None and not report.failed_hashes  # nothing to plan again
-    # ... but how long request "b" waited for its load, for the scheduler's costs
-    ((tokens, seconds),) = report.loads.values()
-    assert set(report.loads) == {"b"} and tokens == B and seconds > 0
+    assert worker.worker_meta() is None  # nothing for the scheduler to plan again
     assert worker.engine is engine and worker.store is store  # not retired
     stats = worker.stats()
     assert stats is not None and stats.chunks_refused["staging_busy"] >= 3

@@ -39,8 +39,9 @@
         suppressed for ``failed_key_ttl_s``: lookups stop before them, so a
         failed load never loops; with ``events``, a chunk whose every object
         (the layout's objects per chunk, over all ranks) reached the pool
-        becomes an event (``stored_event``); the forward's and the loads' times
-        go to ``costs`` (a forward's times the pipeline stages: they run in turn)
+        becomes an event (``stored_event``); the forward's time goes to ``costs``
+        (times the pipeline stages: they run in turn). A load's time is taken
+        here, from ``after_alloc`` to ``loads_ended``.
     Planner.take_events()  the KV events since the last call
 
 Chunks are named by kvpool's own hash chain (``kvpool.chunkhash``) over each
@@ -197,6 +198,8 @@ class Planner:
         # pool already, so its saves start there
         self._recomputing: dict[str, int] = {}
         self._recomputed_requests = 0
+        # request -> (tokens, monotonic time) of its load planned, until reported
+        self._load_began: dict[str, tuple[int, float]] = {}
         self._recomputed_tokens = 0
         self.events = events
         layout = identity.layout
@@ -330,6 +333,8 @@ class Planner:
         if num_external_tokens > 0 and plan is not None:
             state.load = plan
             self.hit_tokens += num_external_tokens
+            if not self.by_layer:  # its wait, from now to its report, is a cost sample
+                self._load_began[request.request_id] = (num_external_tokens, time.monotonic())
 
     # -- per step ------------------------------------------------------------------
 
@@ -493,21 +498,26 @@ class Planner:
         self._planned.pop(req_id, None)
         self._pool_end.pop(req_id, None)
         self._recomputing.pop(req_id, None)
+        self._load_began.pop(req_id, None)
         if req_id in self._async_started:
             self._async_started.discard(req_id)
             self.lookup.cancel(req_id)
 
     def loads_ended(self, req_ids: Any) -> None:
-        """Requests whose load the workers reported finished (or failed)."""
+        """Requests whose load the workers reported finished (or failed): how long
+        each waited, from the step that planned it to this report (the steps it sat
+        out, the transfer, the report), is what loading cost it."""
         self._loading.difference_update(req_ids or ())
+        now = time.monotonic()
+        for req_id in req_ids or ():
+            began = self._load_began.pop(req_id, None)
+            if began is not None:
+                self.costs.loaded(began[0], now - began[1])
 
     def worker_output(self, meta: Any) -> None:
-        if isinstance(meta, WorkerReport):
-            if meta.forward is not None:
-                tokens, seconds = meta.forward
-                self.costs.stepped(tokens, seconds * self.identity.layout.pp)
-            for tokens, seconds in meta.loads.values():
-                self.costs.loaded(tokens, seconds)
+        if isinstance(meta, WorkerReport) and meta.forward is not None:
+            tokens, seconds = meta.forward
+            self.costs.stepped(tokens, seconds * self.identity.layout.pp)
         if isinstance(meta, WorkerReport) and meta.stored and self.events:
             self._stored(meta.stored, meta.fresh)
         if isinstance(meta, WorkerReport) and meta.failed_hashes:

@@ -10,9 +10,9 @@
                   blocks vLLM holds until every worker reports their saves done
     WorkerReport  workers -> scheduler: chunk hashes whose load failed, so lookups
                   stop reporting them, (KV events) the objects each worker's
-                  saves stored, and the times of this step's forward and of the
-                  loads that ended (``kvpool.connector.costs``' samples);
-                  ``merged`` sums two workers' reports (times: the slowest)
+                  saves stored, and the time of this step's forward (a sample of
+                  ``kvpool.connector.costs``); ``merged`` sums two workers'
+                  reports (the forward: the slowest worker's)
 
 Plain records, no vLLM: ``kvpool.vllm.metadata`` makes ``StepPlan`` and
 ``WorkerReport`` vLLM's connector metadata (the same fields).
@@ -86,24 +86,17 @@ class WorkerReport:
     fresh: set[bytes] = field(default_factory=set)  # chunks with an object put just now
     # (tokens, seconds) of this step's forward on this worker, if it was timed
     forward: tuple[int, float] | None = None
-    # request id -> (tokens, seconds) of its load that ended this step without a
-    # failure: from its submit to this report (what the request waited)
-    loads: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """This report and ``other`` summed: every failed chunk, every stored object;
-        of times, the slowest worker's (the step and a load end with the last rank)."""
+        of forwards, the slowest worker's (the step ends with the last rank)."""
         stored = dict(self.stored)
         for h, n in other.stored.items():
             stored[h] = stored.get(h, 0) + n
         forwards = [f for f in (self.forward, other.forward) if f is not None]
-        loads = dict(self.loads)
-        for req_id, sample in other.loads.items():
-            loads[req_id] = max(loads.get(req_id, sample), sample, key=lambda s: s[1])
         return type(self)(
             self.failed_hashes | other.failed_hashes,
             stored,
             self.fresh | other.fresh,
             max(forwards, key=lambda f: f[1]) if forwards else None,
-            loads,
         )

@@ -38,8 +38,8 @@
         less the time spent in this worker meanwhile
     Worker.worker_meta()        chunk hashes that failed to load, for the
         scheduler's lookup suppression; (``events``) the objects per chunk hash
-        that this worker's saves put in the pool; and the times of this step's
-        forward and of the loads that ended (``kvpool.connector.costs``)
+        that this worker's saves put in the pool; and the time of this step's
+        forward (``kvpool.connector.costs``)
 
 A request whose load finished is always reported finished, failed or not.
 
@@ -129,8 +129,6 @@ class Worker:
         self._local: dict[int, int] = {}  # vLLM group index -> index in _groups
         self._jobs = itertools.count()
         self._loads: dict[object, tuple[str, dict[str, bytes]]] = {}  # job -> (req, key->hash)
-        self._load_began: dict[object, tuple[int, float]] = {}  # job -> (tokens, submitted)
-        self._load_times: dict[str, tuple[int, float]] = {}  # req -> (tokens, seconds)
         self._forward: tuple[int, float] | None = None  # this step's (tokens, seconds)
         self._step_t0: float | None = None  # perf_counter at step_began
         self._own_s = 0.0  # time spent in this worker since step_began
@@ -410,10 +408,6 @@ class Worker:
                 continue
             job = ("load", next(self._jobs))
             self._loads[job] = (ops.req_id, {r.key: h for r, h in refs})
-            self._load_began[job] = (
-                len(ops.chunks) * self.identity.chunk_size,
-                time.monotonic(),
-            )
             self.engine.submit_load(job, [r for r, _ in refs])
 
     def _load_by_band(self, req_id: str, refs: list[tuple[ChunkRef, bytes]]) -> None:
@@ -561,12 +555,9 @@ class Worker:
                 self._note_stored(result)
                 continue
             req_id, hashes = self._loads.pop(result.job_id)
-            began = self._load_began.pop(result.job_id, None)
             done.add(req_id)
             if self._load_ended(req_id, hashes, result):
                 failed.add(req_id)
-            elif began is not None:
-                self._load_times[req_id] = (began[0], time.monotonic() - began[1])
         reading = (
             self.engine.reading(self._book.jobs)
             if self.engine is not None and self._book.has_finishing
@@ -613,13 +604,11 @@ class Worker:
         return out
 
     def worker_meta(self) -> WorkerReport | None:
-        if not (self._failed_hashes or self._stored or self._forward or self._load_times):
+        if not (self._failed_hashes or self._stored or self._forward):
             return None
-        out = self._new_report(
-            self._failed_hashes, self._stored, self._fresh, self._forward, self._load_times
-        )
+        out = self._new_report(self._failed_hashes, self._stored, self._fresh, self._forward)
         self._failed_hashes, self._stored, self._fresh = set(), {}, set()
-        self._forward, self._load_times = None, {}
+        self._forward = None
         return out
 
     def stats(self) -> TransferStats | None:

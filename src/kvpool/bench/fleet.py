@@ -144,25 +144,29 @@ def percentile(sorted_values: Sequence[float], q: float) -> float | None:
     return sorted_values[int(min(rank, len(sorted_values))) - 1]
 
 
-def _summed(servers: Sequence[VllmServer], metric: str) -> int:
-    """A counter of ``/metrics`` summed over every label and server."""
-    return sum(
-        int(value)
-        for server in servers
-        for key, value in parse_metrics(server.metrics()).items()
-        if key.split("{", 1)[0] == metric
-    )
+# ConfigRun fields -> kvpool's counters on each server's /metrics
+_KVPOOL_COUNTERS = {
+    "recomputed_tokens": "vllm:kvpool_tokens_recomputed_total",
+    "bytes_saved": "vllm:kvpool_bytes_saved_total",
+    "bytes_loaded": "vllm:kvpool_bytes_loaded_total",
+}
 
 
-def _tokens_by_source(servers: Sequence[VllmServer]) -> dict[str, int]:
-    out = dict.fromkeys(SOURCES, 0)
+def _counters(servers: Sequence[VllmServer]) -> dict[str, int]:
+    """One read of every server's ``/metrics``: prompt tokens by source (``SOURCES``)
+    and kvpool's counters (``_KVPOOL_COUNTERS``' keys; 0 without kvpool), each
+    summed over servers and labels."""
+    names = {metric: field for field, metric in _KVPOOL_COUNTERS.items()}
+    out = dict.fromkeys([*SOURCES, *_KVPOOL_COUNTERS], 0)
     for server in servers:
         for key, value in parse_metrics(server.metrics()).items():
-            if key.split("{", 1)[0] != "vllm:prompt_tokens_by_source_total":
-                continue
-            for source in SOURCES:
-                if f'source="{source}"' in key:
-                    out[source] += int(value)
+            name = key.split("{", 1)[0]
+            if name in names:
+                out[names[name]] += int(value)
+            elif name == "vllm:prompt_tokens_by_source_total":
+                for source in SOURCES:
+                    if f'source="{source}"' in key:
+                        out[source] += int(value)
     return out
 
 
@@ -254,15 +258,11 @@ def _run_config(
             server.start(timeout_s=600)
         for server in servers:  # the process's first-request costs, on no pooled prompt
             server.complete([11] * (BLOCK // 2), max_tokens=2)
-        before, evict0 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
-        moved0 = [_summed(servers, f"vllm:kvpool_bytes_{m}_total") for m in ("saved", "loaded")]
+        before, evict0 = _counters(servers), master_metrics(cfg.metrics_url)
         t0 = time.monotonic()
         answers = replay(turns, [s.url for s in servers], str(model), pacing)
         wall = time.monotonic() - t0
-        after, evict1 = _tokens_by_source(servers), master_metrics(cfg.metrics_url)
-        recomputed = _summed(servers, "vllm:kvpool_tokens_recomputed_total")
-        moved = [_summed(servers, f"vllm:kvpool_bytes_{m}_total") - m0
-                 for m, m0 in zip(("saved", "loaded"), moved0, strict=True)]  # fmt: skip
+        after, evict1 = _counters(servers), master_metrics(cfg.metrics_url)
         urls = [s.url for s in servers]
         checks = _check(turns, answers, urls, str(model), pacing, fleet.checks * (name != "none"))
         for server in servers:  # a dead engine leaves its API server answering 500s
@@ -276,6 +276,8 @@ def _run_config(
     def grew(metric: str) -> int:
         return int(evict1.get(metric, 0) - evict0.get(metric, 0))
 
+    moved = {field: after[field] - before[field] for field in _KVPOOL_COUNTERS}
+
     finished = [(a.sent_s + a.e2e_s) if a.e2e_s is not None else None for a in answers]
     reachable = reuse_after(turns, pacing.block_tokens, [a.sent_s for a in answers], finished)
     missed = sum(max(0, r - a.cached_tokens) for r, a in zip(reachable, answers, strict=True))
@@ -287,10 +289,8 @@ def _run_config(
         evicted=grew("master_evicted_key_count"),
         refused_puts=grew("master_put_start_alloc_failures_total"),
         missed_tokens=missed,
-        recomputed_tokens=recomputed,
-        bytes_saved=moved[0],
-        bytes_loaded=moved[1],
         checks=tuple(checks),
+        **moved,
     )
 
 

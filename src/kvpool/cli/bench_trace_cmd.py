@@ -61,6 +61,7 @@ def trace_table(result: TraceBench) -> Table:
     t.add_row("LRU", *empty, _pct(result.lru_tokens, result.prompt_tokens), "", "")
     pool = "; ".join(
         f"{r.name}: {r.evicted} objects evicted, {r.refused_puts} puts refused, {_checks(r)}"
+        + _kvpool_moves(r)
         for r in result.runs
         if r.name != "none"
     )
@@ -84,18 +85,22 @@ def _checks(run: ConfigRun) -> str:
         return "no answer asked again"
     same = sum(c.same_tokens for c in run.checks)
     diff = max(c.logprob_diff for c in run.checks)
-    out = (
+    return (
         f"{same} of {len(run.checks)} answers asked again of another server with as many "
         f"tokens cached gave the same tokens (logprobs within {diff:.1g})"
     )
-    if run.name == "kvpool":
-        eff = run.write_efficiency
-        out += (
-            f", {run.recomputed_tokens:,} tokens of pool hits computed instead of loaded, "
-            f"{run.bytes_saved / 2**20:,.0f} MiB written and {run.bytes_loaded / 2**20:,.0f} "
-            f"read (" + ("-" if eff is None else f"{eff:.2f}") + " read per byte written)"
-        )
-    return out
+
+
+def _kvpool_moves(run: ConfigRun) -> str:
+    """kvpool's load decisions and write efficiency over the replay ("" for others)."""
+    if run.name != "kvpool":
+        return ""
+    eff = run.write_efficiency
+    return (
+        f", {run.recomputed_tokens:,} tokens of pool hits computed instead of loaded, "
+        f"{run.bytes_saved / 2**20:,.0f} MiB written and {run.bytes_loaded / 2**20:,.0f} "
+        f"read (" + ("-" if eff is None else f"{eff:.2f}") + " read per byte written)"
+    )
 
 
 def _row(result: TraceBench, run: ConfigRun) -> tuple[str, ...]:

@@ -141,6 +141,7 @@ def test_bench_ha_measures_puts_on_both_pools_and_a_failover_that_keeps_everythi
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(result["single_put_s"]) == len(result["ha_put_s"]) == 3  # warm-up left out
+    assert len(result["log_lag_s"]) == 3 and all(0 <= s < 10 for s in result["log_lag_s"])
     (failover,) = result["failovers"]
     assert failover["kept"] == failover["objects"] == 4 * 8, failover  # 3 batches + warm-up
     assert failover["put_after"] and 0 < failover["first_get_s"] < 30, failover

@@ -6,11 +6,14 @@
         - puts: ``batches`` batches of ``objects`` objects of ``size`` bytes to
           each pool, alternating, through kvpool's Mooncake client; the median
           time of a batch on each (the HA master writes each object's metadata to
-          its log in etcd as well)
-        - failovers: ``failovers`` times, SIGKILL the leader and time, from the
-          kill, the first get of a stored object that returns its bytes; then how
-          many of the objects put so far the new leader still has (exists), and
-          whether it takes new puts; the killed master is started again (standby)
+          its log in etcd as well); and how long after each HA batch's put
+          returned its entries were in etcd (the log is written after the put
+          answers: ``kvpool.pool.ha``)
+        - failovers: ``failovers`` times, once every put so far is in the log,
+          SIGKILL the leader and time, from the kill, the first get of a stored
+          object that returns its bytes; then how many of the objects put so far
+          the new leader still has (exists), and whether it takes new puts; the
+          killed master is started again (standby)
 
 Pure client work on loopback: no engine. The HA client connects through etcd (a
 process is a client of one HA pool's etcd at most: one HA pool per run).
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import StoreError
+from kvpool.pool.ha import log_durable_seq
 from kvpool.pool.local import HA_MIN_CLIENT_TTL, LocalPool
 from kvpool.store.base import Status
 from kvpool.store.mooncake import MooncakeStore
@@ -36,6 +40,8 @@ __all__ = ["Failover", "HaBench", "run_ha_bench"]
 
 GET_EVERY_S = 0.05  # how often a get is tried during a failover
 FAILOVER_LIMIT_S = 60.0  # a failover not done by then is reported as such
+LOG_EVERY_S = 0.002  # how often etcd is asked whether the log has the puts
+LOG_LIMIT_S = 10.0  # puts whose entries are not in etcd by then fail the bench
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,7 @@ class HaBench:
     batches: int
     single_put_s: list[float] = field(default_factory=list)  # per batch, one master
     ha_put_s: list[float] = field(default_factory=list)  # per batch, HA masters
+    log_lag_s: list[float] = field(default_factory=list)  # per HA batch: put to logged
     failovers: list[Failover] = field(default_factory=list)
 
     @property
@@ -99,6 +106,7 @@ def _run(
             for store, times, name in ((one, result.single_put_s, "single"),
                                        (two, result.ha_put_s, "ha")):  # fmt: skip
                 keys = [f"bench-ha/{name}/{b}/{i}" for i in range(objects)]
+                logged = log_durable_seq(ha.etcd_endpoint) if name == "ha" else 0
                 t0 = time.perf_counter()
                 got = store.batch_put(keys, segs)
                 took = time.perf_counter() - t0
@@ -106,13 +114,30 @@ def _run(
                     raise StoreError(
                         f"a put to the {name} pool failed: {sorted({s.value for s in got})}"
                     )
+                if name == "ha":
+                    lag = _until_logged(ha, logged + objects)
+                    stored += keys
                 if b:
                     times.append(took)
-                if name == "ha":
-                    stored += keys
+                    if name == "ha":
+                        result.log_lag_s.append(lag)
         for _ in range(failovers):
             result.failovers.append(_failover(ha, two, stored, data, segs[:1]))
     return result
+
+
+def _until_logged(pool: LocalPool, seq: int) -> float:
+    """Seconds until the HA pool's log in etcd reaches entry ``seq`` (polled: etcd
+    is asked, nothing tells); ``StoreError`` past ``LOG_LIMIT_S``."""
+    t0 = time.perf_counter()
+    while (now := log_durable_seq(pool.etcd_endpoint)) < seq:
+        if time.perf_counter() - t0 > LOG_LIMIT_S:
+            raise StoreError(
+                f"the HA leader's log in etcd stopped at entry {now}, short of {seq}, "
+                f"{LOG_LIMIT_S:.0f} s after the puts; see {pool.home}/master*.log"
+            )
+        time.sleep(LOG_EVERY_S)
+    return time.perf_counter() - t0
 
 
 def _failover(
@@ -134,8 +159,10 @@ def _failover(
     for i in range(0, len(stored), 4096):
         kept += store.batch_exists(stored[i : i + 4096]).count(Status.OK)
     key = f"bench-ha/after-{killed}-{len(stored)}"
+    logged = log_durable_seq(pool.etcd_endpoint)
     put_after = store.batch_put([key], seg) == [Status.OK]
     if put_after:
         stored.append(key)
+        _until_logged(pool, logged + 1)  # in the log before the next kill
     pool.restart_ha_master(killed)  # back as the standby for the next failover
     return Failover(killed, first, kept, len(stored) - put_after, put_after)

@@ -6,6 +6,8 @@
     etcd_health(endpoint)        "" when etcd's ``/health`` says true, else why not
     ha_master_args(endpoint)     the flags that make a master one of the HA pair
     master_roles(metrics_url)    {metrics url: "leader", "standby", "down", ...}
+    log_durable_seq(endpoint)    the last sequence number of the leader's log that
+                                 is in etcd (``parse_durable_prefix``: its parser)
     HaStart                      ``LocalPool``'s start-up of etcd and the two masters
                                  (a mixin: the pool supplies addresses and helpers)
 
@@ -17,7 +19,17 @@ leader starts empty). Clients and holders whose master address is
 ``etcd://HOST:PORT`` read the leader from etcd and follow a change by themselves;
 ``kvpool.pool.master_api`` asks the leader's metrics server. A new leader serves
 after a warm-up of about 5 s; a leader killed with SIGKILL is replaced in about
-10 s (its lease runs out first), every object kept (measured here).
+10 s (its lease runs out first), every object kept whose entry was in the log.
+
+The log is written after the put is answered: the leader appends one entry per
+object put (and per segment mounted) and a writer of its own commits them to etcd
+in batches, under ``/oplog/<cluster>/batches/``, then moves
+``/oplog/<cluster>/durable_prefix`` (``{"batch_id", "last_seq", ...}``). A leader
+killed before that loses the objects whose entries were still in its memory (a
+leader killed here within milliseconds of its last puts left a new leader with 1 of
+32 objects).
+``log_durable_seq`` reads that prefix, so a caller can wait for its puts to be
+logged (``kvpool bench ha`` does before each kill, and reports how long it took).
 
 Clients have no setting for the cluster id, so the masters keep Mooncake's default
 one and each pool has an etcd of its own (``kvpool up --ha`` starts it).
@@ -25,6 +37,7 @@ one and each pool has an etcd of its own (``kvpool up --ha`` starts it).
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import urllib.error
@@ -44,10 +57,13 @@ __all__ = [
     "etcd_health",
     "etcd_marker",
     "ha_master_args",
+    "log_durable_seq",
     "master_roles",
+    "parse_durable_prefix",
 ]
 
 ETCD_NAME = "kvpool"  # the one member's name
+DURABLE_PREFIX_KEY = "/oplog/mooncake_cluster/durable_prefix"  # Mooncake 0.3.13's
 
 
 def etcd_args(home: Path, host: str, client_port: int, peer_port: int) -> list[str]:
@@ -81,6 +97,38 @@ def etcd_health(endpoint: str, timeout: float = 1.0) -> str:
     if isinstance(body, dict) and body.get("health") == "true":
         return ""
     return f"unhealthy ({body})"
+
+
+def parse_durable_prefix(value: bytes) -> int:
+    """The ``last_seq`` of Mooncake's durable-prefix record (JSON); ``ValueError``
+    if it is not one."""
+    record = json.loads(value)
+    if not isinstance(record, dict) or not isinstance(record.get("last_seq"), int):
+        raise ValueError(f"not a durable-prefix record: {value[:100]!r}")
+    return int(record["last_seq"])
+
+
+def log_durable_seq(endpoint: str, timeout: float = 1.0) -> int:
+    """The last sequence number of the HA leader's log that is in the etcd at
+    ``endpoint`` (host:port); 0 before the first entry. ``StoreUnavailable`` when
+    etcd does not answer or the record is not Mooncake's (another version)."""
+    key = base64.b64encode(DURABLE_PREFIX_KEY.encode()).decode()
+    request = urllib.request.Request(
+        f"http://{endpoint}/v3/kv/range", json.dumps({"key": key}).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            kvs = json.loads(resp.read()).get("kvs") or []
+        return parse_durable_prefix(base64.b64decode(kvs[0]["value"])) if kvs else 0
+    except (urllib.error.URLError, OSError) as exc:
+        raise StoreUnavailable(
+            f"etcd at {endpoint} did not answer: {getattr(exc, 'reason', exc)}"
+        ) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StoreUnavailable(
+            f"etcd at {endpoint} holds no durable-prefix record that kvpool reads "
+            f"({exc}); is the pool's Mooncake the version setup.sh installs?"
+        ) from None
 
 
 def ha_master_args(endpoint: str) -> list[str]:

@@ -1,11 +1,14 @@
-"""A worker's transfer counters of one interval, as plain data (no vLLM).
+"""A worker's transfer counters, as plain data (no vLLM).
 
     stats_delta(now, before, queue_depth, backpressure) -> the data dict of one
                       interval: counters since ``before``, the gauges now, and
                       failures by cause
     interval_empty(data)  whether nothing worth reporting happened in it
+    worker_totals(stats)  the running totals since the worker started, by name
+                      (``KVPoolConnector.counters``: the read-only view the demo
+                      and the benches read)
 
-``kvpool.vllm.stats`` hands these dicts to vLLM's stats logger and Prometheus.
+``kvpool.vllm.stats`` hands the interval dicts to vLLM's stats logger and Prometheus.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from kvpool.transfer import TransferStats
 
-__all__ = ["ACTIVE", "interval_empty", "stats_delta"]
+__all__ = ["ACTIVE", "interval_empty", "stats_delta", "worker_totals"]
 
 # Counters of an interval in which something happened.
 ACTIVE = ("chunks_saved", "chunks_loaded", "load_failures", "saves_refused", "lookups",
@@ -41,6 +44,24 @@ def stats_delta(
         "failures_by_cause": dict(failures),
         "queue_depth": queue_depth,
         "backpressure": int(backpressure),
+    }
+
+
+def worker_totals(stats: TransferStats) -> dict[str, Any]:
+    """A worker's counters since it started (bytes, chunks, seconds, and by cause)."""
+    return {
+        "bytes_saved": stats.bytes_put,
+        "bytes_loaded": stats.bytes_loaded,
+        "load_s": stats.load_s,
+        "chunks_saved": stats.chunks_put,
+        "chunks_loaded": stats.chunks_loaded,
+        "failures": dict(stats.failures),
+        "saves_refused": dict(stats.saves_refused),
+        "backpressure_events": stats.backpressure_events,
+        "puts_no_space": stats.puts_no_space,
+        "chunks_refused": dict(stats.chunks_refused),
+        "loads_timed_out": stats.loads_timed_out,
+        "chunks_discarded": stats.chunks_discarded,
     }
 
 

@@ -324,6 +324,16 @@ class Planner:
         (the requests still running and those ended: a running total)."""
         return self._recomputed_requests, self._recomputed_tokens
 
+    def totals(self) -> dict[str, Any]:
+        """The scheduler's counters since it started, by name: lookups, tokens the
+        pool supplied, hits recomputed, and lookups answered as a miss by cause."""
+        out: dict[str, Any] = {"lookups": self.lookups, "hit_tokens": self.hit_tokens}
+        out["hits_recomputed"], out["tokens_recomputed"] = self.recomputed
+        lookup_stats = getattr(self.lookup, "stats", None)
+        if lookup_stats is not None:  # a lookup client's: misses by cause
+            out["lookup_failures"] = dict(lookup_stats.misses)
+        return out
+
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         state = self._requests.setdefault(request.request_id, _Request(request))
         state.pool_end = self._pool_end.pop(request.request_id, state.pool_end)

@@ -227,44 +227,18 @@ def _generate(llm: Any, greedy: Any, ids: list[int]) -> dict[str, Any]:
 
 
 def _connector_stats(llm: Any) -> dict[str, Any]:
-    """kvpool's counters from both halves (one process: multiprocessing is off); {}
-    for an engine without kvpool. A failure to read them is a bug: it raises."""
+    """kvpool's counters from both halves (one process: multiprocessing is off),
+    through the connector's public ``counters()``; {} for an engine without kvpool."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return {}
-    connector = get_kv_transfer_group()
-    if type(connector).__name__ != "KVPoolConnector":
+    worker = get_kv_transfer_group()
+    if type(worker).__name__ != "KVPoolConnector":
         return {}
-    out: dict[str, Any] = {}
-    worker = connector.worker
-    stats = worker.stats() if worker is not None else None
-    if stats is not None:
-        out.update(
-            bytes_saved=stats.bytes_put,
-            bytes_loaded=stats.bytes_loaded,
-            load_s=stats.load_s,
-            chunks_saved=stats.chunks_put,
-            chunks_loaded=stats.chunks_loaded,
-            failures=dict(stats.failures),
-            saves_refused=dict(stats.saves_refused),
-            backpressure_events=stats.backpressure_events,
-            puts_no_space=stats.puts_no_space,
-            chunks_refused=dict(stats.chunks_refused),
-            loads_timed_out=stats.loads_timed_out,
-            chunks_discarded=stats.chunks_discarded,
-        )
-    sched_connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    server = sched_connector.lookup_server
-    if server is not None:  # error replies the lookup server sent, by code
-        out["lookup_server_errors"] = {str(k): v for k, v in server.stats.errors.items()}
-    sched = sched_connector._sched
-    if sched is not None:
-        out.update(lookups=sched.lookups, hit_tokens=sched.hit_tokens)
-        out["hits_recomputed"], out["tokens_recomputed"] = sched.recomputed
-        client_stats = getattr(sched.lookup, "stats", None)
-        if client_stats is not None:  # lookups answered as misses, by cause
-            out["lookup_failures"] = dict(client_stats.misses)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    out: dict[str, Any] = dict(worker.counters())
+    out.update(scheduler.counters())
     return out
 
 

@@ -78,6 +78,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
+from kvpool.connector.counters import worker_totals
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
 from kvpool.keys import default_instance, lookup_endpoints
 from kvpool.settings import ConnectorSettings, parse_extra
@@ -270,6 +271,21 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def worker(self) -> WorkerSide | None:
         """This worker's side of the connector (None in the scheduler, or without a pool)."""
         return self._worker
+
+    def counters(self) -> dict[str, Any]:
+        """kvpool's running totals in this process's half (a copy, plain data):
+        a worker's transfers (``connector.counters.worker_totals``); the
+        scheduler's lookups (``Planner.totals``) and its lookup server's error
+        replies by code. {} when the connector is idle."""
+        out: dict[str, Any] = {}
+        if self._worker is not None and (stats := self._worker.stats()) is not None:
+            out.update(worker_totals(stats))
+        if self.lookup_server is not None:
+            errors = self.lookup_server.stats.errors
+            out["lookup_server_errors"] = {str(k): v for k, v in errors.items()}
+        if self._sched is not None:
+            out.update(self._sched.totals())
+        return out
 
     def _start_scheduler(
         self,

@@ -17,8 +17,10 @@ engine's: not vLLM's block size (which DCP scales: one hash block spans
 their blocks differently therefore name a chunk alike; the chunk size C is in
 the config fingerprint (``keys``).
 
-A request whose extras cannot be encoded gets no names (``ChunkChain.broken``):
-it is never looked up or saved. Under-hashing would hand one prompt another's KV.
+A request with extras the chain cannot encode is named only up to the chunk before
+the first such chunk (``ChunkChain.broken`` says why): those chunks are looked up
+and saved like any, the rest never are. Under-hashing would hand one prompt
+another's KV.
 Pure: no I/O, no torch, no vLLM.
 """
 

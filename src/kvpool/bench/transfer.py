@@ -31,7 +31,7 @@ a worker runs one of them)
   registered. Shared memory: a dummy client whose two buffers from
   ``alloc_from_mem_pool`` (registered whole) are replicas of the KV caches.
 
-The order of the three rotates every repeat; keys are fresh each repeat and
+The order of the six rotates every repeat; keys are fresh each repeat and
 removed (forced, untimed) after it. A numpy copy of the same bytes is the
 memory-bandwidth baseline. Repeat 0 warms up, is not counted, and verifies the
 bytes of every object of every variant (into a zeroed destination).
@@ -54,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvpool.bench.hooks import HookOverhead
+from kvpool.bench.hooks import HookOverhead, measure_hook_overhead
 from kvpool.bench.paged_kv import KiB, KVShape, MiB, PagedKV, Progress, kv_shape_for
 from kvpool.config import PoolConfig
 from kvpool.errors import StoreError
@@ -510,8 +510,6 @@ def run_transfer_bench(
             )
     hooks = None
     if hook_steps > 0:
-        from kvpool.bench.hooks import measure_hook_overhead
-
         hooks = measure_hook_overhead(config, hook_steps, progress)
     return TransferBench(
         tuple(results), config.master_address, repeats, total_bytes, job_bytes, hooks

@@ -27,8 +27,9 @@ from typing import Any
 from kvpool.demo.run import distinct_chunks, outputs_match
 from kvpool.demo.session import EngineFailed, EngineSession
 from kvpool.demo.tiny_model import build_tiny_llama
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, StoreUnavailable
 from kvpool.pool import LocalPool, master_keys, wait_until
+from kvpool.store.mooncake_setup import raw_client as mooncake_client
 
 __all__ = [
     "FAMILIES",
@@ -228,19 +229,14 @@ class RowEnv:
 @contextlib.contextmanager
 def raw_client(pool: LocalPool) -> Iterator[Any]:
     """A plain Mooncake client of ``pool`` (bytes in, bytes out), closed afterwards."""
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
     # HA: the leader itself (Mooncake has one etcd client per process, and rows of
     # several HA pools run in this one)
     master = pool.leader_address() if pool.ha_masters else pool.master_address
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", master)
-    if rc != 0:
-        raise RowFailed(f"cannot connect a client to {master} (rc {rc})")
     try:
-        yield store
-    finally:
-        store.close()
+        with mooncake_client(master) as store:
+            yield store
+    except StoreUnavailable as exc:
+        raise RowFailed(str(exc)) from None
 
 
 def count_lines(log: str, needle: str) -> int:

@@ -10,10 +10,6 @@ from kvpool.layout import ContentId, Layout
 from kvpool.plan import Plan, ReaderRank, Totals, reference_totals
 
 
-def content_label(c: ContentId) -> str:
-    return f"h{c.head}.d{c.dcp_rank}.c{c.pcp_rank}.b{c.band}"
-
-
 def _run(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo}" if lo == hi else f"{lo}-{hi}"

@@ -207,7 +207,6 @@ class Planner:
         # chunk hash -> [objects stored so far, token ids, parent chunk hash, fresh]
         self._unstored: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._events: list[Any] = []
-        self.stored_events = 0
         # Workers retry a refused save while vLLM keeps the request's blocks (the
         # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
         # then kept until its saves are done.
@@ -476,7 +475,6 @@ class Planner:
             _, tokens, parent, new = entry
             if not new:  # already in the pool before: announced when it was put
                 continue
-            self.stored_events += 1
             if self._stored_event is not None:
                 self._events.append(self._stored_event(h, parent, tokens, self.identity.chunk_size))
 

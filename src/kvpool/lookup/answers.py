@@ -14,7 +14,7 @@ cannot serve; the thread survives malformed, multipart, empty and huge frames):
   only whole chunks count and a full-prompt hit leaves the last token to
   compute. A chunk counts only if every key the ranks would read for it is
   present (``chunks.ChunkObjects``: every distinct content of every group; chunks
-  whose load failed are kept out by the scheduler, ``vllm.scheduler``); a
+  whose load failed are kept out by the scheduler, ``connector.planner``); a
   sliding-window group (``GroupSpec.window``) needs only the chunks of its
   window before the hit, a Mamba group only the hit's last chunk (its state;
   ``GroupSpec.needed_chunks``), so the hit is the longest one whose every group

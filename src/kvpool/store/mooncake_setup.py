@@ -10,6 +10,9 @@
                                   accepts one
     bound_waits(config, env)      Mooncake's retry and timeout variables from
                                   ``config``, each only if not set already
+    raw_client(master)            a plain Mooncake client (bytes in, bytes out, no
+                                  kvpool framing), closed afterwards: for faults
+                                  that ``kvpool chaos`` injects
 
 Used by ``kvpool.store.mooncake`` (the client itself); imports Mooncake only
 inside ``load_mooncake``.
@@ -22,7 +25,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvpool.config import PoolConfig, is_ha, master_endpoints
@@ -97,6 +100,21 @@ def load_mooncake() -> Callable[[], Any]:
         raise StoreMissingDependency(_INSTALL_WHEEL) from exc
     factory: Callable[[], Any] = MooncakeDistributedStore
     return factory
+
+
+@contextlib.contextmanager
+def raw_client(master: str, host: str = "127.0.0.1", buffer: int = 64 << 20) -> Iterator[Any]:
+    """A plain Mooncake client of the master at ``master`` over TCP, from ``host``,
+    with a local buffer of ``buffer`` bytes; closed when the block ends.
+    ``StoreUnavailable`` when it cannot connect."""
+    store = load_mooncake()()
+    rc = store.setup(host, "P2PHANDSHAKE", 0, buffer, "tcp", "", master)
+    if rc != 0:
+        raise StoreUnavailable(f"cannot connect a plain Mooncake client to {master} (rc {rc})")
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def connect_error(address: str, timeout: float) -> str | None:

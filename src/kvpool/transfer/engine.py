@@ -300,10 +300,9 @@ class TransferEngine:
         """Block until none of ``job_ids`` reads KV blocks (see ``reading``)."""
         self._saves.wait_reads(job_ids)
 
-    def submit_load(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> bool:
-        """Queue a load of ``chunks`` (always accepted; returns True)."""
+    def submit_load(self, job_id: Hashable, chunks: Sequence[ChunkRef]) -> None:
+        """Queue a load of ``chunks`` (always accepted)."""
         self._loads.submit(job_id, chunks)
-        return True
 
     def poll(self) -> list[JobResult]:
         """Finished jobs since the last poll, oldest first; never blocks."""

@@ -153,6 +153,22 @@ def test_engine_table_says_no_hits_and_claims_no_speedup_without_hits() -> None:
     assert "one copy" in engine_bench_legend(result)
     assert "32 layers, 8 KV heads x 128, bfloat16" in engine_bench_legend(result)
     assert result.vs_local(hit, 0) == pytest.approx(2.0) and result.vs_local(miss, 0) is None
+    # what a miss costs, from the same run: cold TTFT over the prefill without a connector
+    assert result.cold_ratio(miss, 0) == pytest.approx(1.0)
+    assert "a miss, mooncake over no connector: 4000: TTFT 1.00x" in text
+    assert result.cold_request_ratio(hit, 0) is None  # no whole-request times given
+    whole = EngineBench(
+        SHAPES["llama3-8b"], (4000,), (8.0,), (0.5,),
+        (ConnectorRun("kvpool", (LengthRow(4000, 8.8, 1.0, 3968, True, 0, 0.0, 9.9),), 0, 0),),
+        (0.1,), prefill_total_s=(9.0,),
+    )  # fmt: skip
+    assert whole.cold_ratio(whole.runs[0], 0) == pytest.approx(1.1)
+    assert whole.cold_request_ratio(whole.runs[0], 0) == pytest.approx(1.1)
+    recorded = Console(width=250, record=True)
+    recorded.print(engine_bench_table(whole))
+    assert "a miss, kvpool over no connector: 4000: TTFT 1.10x, request 1.10x" in (
+        recorded.export_text()
+    )
     # the widest cells a run prints still fit an 80-column terminal, nothing cut
     wide = ConnectorRun(
         "mooncake",

@@ -68,7 +68,7 @@ Progress = Callable[[str, int, int], None]
 
 
 BLOCK = 32
-MAX_TOKENS = 4
+MAX_TOKENS = 12  # tokens out per request: a whole request's time includes decode steps
 WARMUP_TOKENS = BLOCK // 2  # the warm-up prompt: shorter than a block, never pooled
 SAVE_WAIT_S = 120.0  # a cold engine's saves must be in the pool by then (verdict "lost N")
 # Every engine and server of the benches reserves the same cores for vLLM's other
@@ -90,6 +90,7 @@ class LengthRow:
     # payload bytes and the load job's time from submit to finish
     load_bytes: int = 0
     load_s: float = 0.0
+    cold_total_s: float = 0.0  # the cold request whole: prompt in, last token out
 
     @property
     def hit_rate(self) -> float:
@@ -146,6 +147,7 @@ class EngineBench:
     runs: tuple[ConnectorRun, ...]
     copy_s: tuple[float, ...] = ()  # per length: one memory copy of a full hit's bytes
     samples: int = 1  # distinct prompts per length; times are their medians
+    prefill_total_s: tuple[float, ...] = ()  # baseline, per length: a full prefill's whole request
 
     def _load(self, run: ConnectorRun, i: int) -> tuple[float, float] | None:
         """(bytes, seconds) of the warm request's load: the connector's own account
@@ -193,6 +195,19 @@ class EngineBench:
         if row.hit_tokens == 0 or not self.local_hit_s[i]:
             return None
         return row.warm_ttft_s / self.local_hit_s[i]
+
+    def cold_ratio(self, run: ConnectorRun, i: int) -> float:
+        """What a miss costs: the connector's cold TTFT over the prefill's without a
+        connector (same prompts, same run)."""
+        return run.rows[i].cold_ttft_s / self.prefill_s[i]
+
+    def cold_request_ratio(self, run: ConnectorRun, i: int) -> float | None:
+        """The same for the whole request (its decode steps run beside the saves);
+        None when either time is missing."""
+        row = run.rows[i]
+        if not self.prefill_total_s or not row.cold_total_s:
+            return None
+        return row.cold_total_s / self.prefill_total_s[i]
 
     def verdict(self, run: ConnectorRun, i: int) -> str:
         row = run.rows[i]
@@ -426,6 +441,7 @@ def run_engine_bench(
                     outputs_match(w, h if w["cached_tokens"] else f),
                     nbytes,
                     seconds,
+                    c["total_s"],
                 )
                 for n, c, (w, nbytes, seconds), h, f in zip(
                     lengths, cold["results"], loads, local_hit, full, strict=True
@@ -456,6 +472,7 @@ def run_engine_bench(
             tuple(r["ttft_s"] for r in full),
             tuple(r["ttft_s"] for r in local_hit),
             tuple(runs),
+            prefill_total_s=tuple(r["total_s"] for r in full),
         ),
         samples,
         copies,
@@ -490,6 +507,7 @@ def collapse(bench: EngineBench, samples: int, copies: tuple[float, ...]) -> Eng
                     all(r.identical for r in part),
                     int(statistics.median(r.load_bytes for r in part)),
                     statistics.median(r.load_s for r in part),
+                    statistics.median(r.cold_total_s for r in part),
                 )
             )
         runs.append(dataclasses.replace(run, rows=tuple(rows)))
@@ -501,4 +519,5 @@ def collapse(bench: EngineBench, samples: int, copies: tuple[float, ...]) -> Eng
         tuple(runs),
         copies,
         samples,
+        tuple(med(bench.prefill_total_s, i) for i in range(n)) if bench.prefill_total_s else (),
     )

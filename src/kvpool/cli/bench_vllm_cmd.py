@@ -97,8 +97,23 @@ def engine_bench_table(result: EngineBench) -> Table:
         f"{r.name} stored {r.keys_stored} keys, {r.bytes_stored / 2**20:.1f} MiB"
         for r in result.runs
     )
-    t.caption = stored
+    t.caption = "\n".join([stored, *miss_costs(result)])
     return t
+
+
+def miss_costs(result: EngineBench) -> list[str]:
+    """What a miss costs each connector, a line each: its cold engine's TTFT and
+    whole request (prompt in, last token out) over the engine's without a
+    connector, same prompts, same run (under the table: it fills 80 columns)."""
+    lines = []
+    for run in result.runs:
+        cells = []
+        for i, row in enumerate(run.rows):
+            whole = result.cold_request_ratio(run, i)
+            tail = f", request {whole:.2f}x" if whole is not None else ""
+            cells.append(f"{row.tokens}: TTFT {result.cold_ratio(run, i):.2f}x{tail}")
+        lines.append(f"a miss, {run.name} over no connector: " + "; ".join(cells))
+    return lines
 
 
 def engine_bench_chart(result: EngineBench) -> str:

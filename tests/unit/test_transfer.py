@@ -1120,3 +1120,17 @@ def test_a_late_piece_is_still_checked_and_its_damaged_object_removed(
     framed.close()
     for (_, t), old in zip(dst, before, strict=True):
         assert torch.equal(t, old)  # nothing reached the KV cache
+
+
+def test_the_staging_gather_copies_the_rows_asked_and_refuses_rows_outside() -> None:
+    """Staging copies on the calling thread (numpy's take, no OpenMP team beside the
+    forward); a row outside the cache raises instead of being clipped to the last."""
+    from kvpool.transfer.copies import _take
+
+    src = np.arange(40, dtype=np.int16).reshape(10, 4)
+    out = np.zeros((3, 4), dtype=np.int16)
+    _take(src, np.array([7, 0, 9]), out)
+    assert (out == src[[7, 0, 9]]).all()
+    for bad in ([10], [-1]):
+        with pytest.raises(IndexError, match=r"outside 0\.\.9"):
+            _take(src, np.array(bad), np.zeros((1, 4), dtype=np.int16))

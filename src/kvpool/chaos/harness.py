@@ -232,11 +232,12 @@ def raw_client(pool: LocalPool) -> Iterator[Any]:
     # HA: the leader itself (Mooncake has one etcd client per process, and rows of
     # several HA pools run in this one)
     master = pool.leader_address() if pool.ha_masters else pool.master_address
-    try:
-        with mooncake_client(master) as store:
-            yield store
-    except StoreUnavailable as exc:
-        raise RowFailed(str(exc)) from None
+    with contextlib.ExitStack() as stack:
+        try:  # a client that cannot connect fails the row; the caller's errors are its own
+            store = stack.enter_context(mooncake_client(master))
+        except StoreUnavailable as exc:
+            raise RowFailed(str(exc)) from None
+        yield store
 
 
 def count_lines(log: str, needle: str) -> int:

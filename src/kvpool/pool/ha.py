@@ -38,6 +38,7 @@ one and each pool has an etcd of its own (``kvpool up --ha`` starts it).
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import shutil
 import urllib.error
@@ -120,7 +121,7 @@ def log_durable_seq(endpoint: str, timeout: float = 1.0) -> int:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
             kvs = json.loads(resp.read()).get("kvs") or []
         return parse_durable_prefix(base64.b64decode(kvs[0]["value"])) if kvs else 0
-    except (urllib.error.URLError, OSError) as exc:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise StoreUnavailable(
             f"etcd at {endpoint} did not answer: {getattr(exc, 'reason', exc)}"
         ) from None

@@ -412,6 +412,25 @@ def test_saves_refused_by_a_pool_slower_than_the_engine_still_land_after_the_req
     assert "failed" not in b["log"]
 
 
+def test_an_engine_shut_down_right_after_its_last_request_puts_every_save_it_queued(
+    tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path
+) -> None:
+    """vLLM's teardown shuts the connector down; kvpool then puts what it has
+    queued before the process ends. Every put takes 1 s here, so the one-token
+    request's saves are still queued when the engine shuts down (no settling)."""
+    pool_file = str(local_pool.write_pool_file(tmp_path / "pool.json"))
+    rng = random.Random(12)
+    long = [rng.randrange(10, 1000) for _ in range(512)]
+    slow = {"pool_file": pool_file, "store": f"{FAULTS}:SlowPutStore"}
+    a = run_engine(
+        spec(tiny_model, "kvpool", prompts=[long], max_tokens=1, extra=slow,
+             env={"KVPOOL_CHAOS_PUT_DELAY_S": "4"})
+    )  # fmt: skip
+    assert a["connector"]["chunks_saved"] < 16  # not all in when the request ended
+    keys, _ = pool_objects(local_pool, [long])
+    assert len(keys) == 16 * TINY_KV_HEADS  # every object, put during the shutdown
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_finished_requests_give_their_blocks_back_once_their_saves_are_done(
     tiny_model: Path, run_engine: RunEngine, local_pool: Any, tmp_path: Path, tp: int
@@ -425,7 +444,7 @@ def test_finished_requests_give_their_blocks_back_once_their_saves_are_done(
     rng = random.Random(5)
     many = [[rng.randrange(10, 1000) for _ in range(16 * BLOCK)] for _ in range(6)]
     small: dict[str, Any] = {"prompts": many, "max_tokens": 2, "num_blocks": 40,
-                             "max_model_len": 1024}  # fmt: skip
+                             "max_model_len": 1024, "settle_saves": True}  # fmt: skip
     if tp > 1:
         small.update(tp=tp, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     base = run_engine(spec(tiny_model, "none", **small))

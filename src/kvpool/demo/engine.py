@@ -25,6 +25,8 @@ and the connector's counters so far), then waits for a line on stdin before the
 next phase: a harness changes the world between phases (kills a pool process,
 corrupts objects) while the engine stays up. With ``"hold": true`` it prints
 ``KVPOOL-READY`` once started and waits for a line before phase 0 as well.
+After the result the engine shuts down as vLLM's teardown does (bounded), so
+the saves kvpool had queued are in the pool once the process has exited.
 The result on stdout (last line) is JSON: per prompt the generated token ids,
 their logprobs, the prompt tokens vLLM found cached (locally or in the pool),
 the time to first token and the total time. Each engine is its own process:
@@ -68,7 +70,9 @@ def log_level(spec: dict[str, Any], environ: Mapping[str, str]) -> str:
     return level.upper()
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def run(spec: dict[str, Any], engines: list[Any] | None = None) -> dict[str, Any]:
+    """Run ``spec``; its result. The engine started is appended to ``engines``
+    (the caller shuts it down)."""
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
     os.environ.update(spec.get("env", {}))  # e.g. VLLM_CPU_OMP_THREADS_BIND for tp > 1
@@ -133,6 +137,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         disable_log_stats=False,  # per-request metrics: time to first token
     )
     startup = time.perf_counter() - t0
+    if engines is not None:
+        engines.append(llm)
     greedy = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), logprobs=1)
     if spec.get("warmup"):
         # A process's first request costs 2-4 s more: vLLM compiles its logprobs
@@ -245,10 +251,26 @@ def _connector_stats(llm: Any) -> dict[str, Any]:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    result = run(spec)
+    engines: list[Any] = []
+    result = run(spec, engines)
     sys.stdout.write("\nKVPOOL-RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+    for llm in engines:
+        _shut_down(llm)
     os._exit(0)  # skip vLLM's slow interpreter teardown
+
+
+def _shut_down(llm: Any, timeout_s: float = 60.0) -> None:
+    """vLLM's own engine teardown, which ``os._exit`` would skip: each worker
+    (in this process, or TP/PP workers in theirs) shuts its connector down, and
+    kvpool puts the saves it has queued before the process ends, so a harness
+    that reads the pool after the exit sees them. Bounded: a store that hangs
+    costs the wait, never the exit."""
+    import threading
+
+    closing = threading.Thread(target=llm.llm_engine.engine_core.shutdown, daemon=True)
+    closing.start()
+    closing.join(timeout_s)
 
 
 if __name__ == "__main__":

@@ -264,13 +264,23 @@ def _shut_down(llm: Any, timeout_s: float = 60.0) -> None:
     """vLLM's own engine teardown, which ``os._exit`` would skip: each worker
     (in this process, or TP/PP workers in theirs) shuts its connector down, and
     kvpool puts the saves it has queued before the process ends, so a harness
-    that reads the pool after the exit sees them. Bounded: a store that hangs
-    costs the wait, never the exit."""
+    that reads the pool after the exit sees them. An in-process worker is waited
+    for until its transfer engine is closed (its saves put), not for the store's
+    own close (~30 s for a client of HA masters); workers in other processes for
+    vLLM's whole teardown. Bounded: a store that hangs costs the wait, never the
+    exit."""
     import threading
 
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
     closing = threading.Thread(target=llm.llm_engine.engine_core.shutdown, daemon=True)
     closing.start()
-    closing.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while closing.is_alive() and time.monotonic() < deadline:
+        if worker is not None and getattr(worker, "engine", None) is None:
+            return  # saves put; the rest of the teardown is not waited for
+        closing.join(0.05)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ def roles(home: Home) -> dict[str, str]:
     return {m["name"]: m["role"] for m in status(home).get("masters", [])}
 
 
+def after_view(s: dict[str, Any], name: str) -> int:
+    """The master view that master ``name`` reports in status ``s``."""
+    return int(next(m["view"] for m in s["masters"] if m["name"] == name))
+
+
 def test_up_ha_fails_over_keeping_the_objects_and_down_stops_everything(home: Home) -> None:
     r = home.up("--ha", "--client-ttl", "10")
     assert "engines and holders find the leader at etcd://" in r.stdout
@@ -80,6 +85,8 @@ def test_up_ha_fails_over_keeping_the_objects_and_down_stops_everything(home: Ho
     assert sorted(first.values()) == ["leader", "standby"], first
     s = home.kvpool("status")
     assert "healthy" in s.stdout and "leader (serving" in s.stdout, s.stdout
+    before = status(home)
+    assert before["failovers"] == 0 and len(before["leaders"]) == 1, before
 
     assert client(home.pool_file, "put", 50) == 50
     leader = next(name for name, role in first.items() if role == "leader")
@@ -98,6 +105,11 @@ def test_up_ha_fails_over_keeping_the_objects_and_down_stops_everything(home: Ho
     after = status(home)
     other = "master-2" if leader == "master" else "master"
     assert after["reachable"] and roles(home) == {leader: "down", other: "leader"}, after
+    # etcd's history names both leaders, the first one as before the kill
+    assert after["failovers"] == 1 and after["leaders"][0] == before["leaders"][0], after
+    address = dict(zip(("master", "master-2"), data["ha_masters"].split(","), strict=True))
+    assert [e["leader"] for e in after["leaders"]] == [address[leader], address[other]]
+    assert after["leaders"][1]["view"] == after_view(after, other)
     assert client(home.pool_file, "exists", 50) == 50  # the standby replayed the log
     assert client(home.pool_file, "put", 60) == 60  # and takes new objects
 

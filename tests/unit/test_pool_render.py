@@ -118,6 +118,31 @@ def _status(**kw: object) -> PoolStatus:
     return PoolStatus(**base)  # type: ignore[arg-type]
 
 
+def test_an_ha_status_counts_failovers_and_names_the_last_leaders() -> None:
+    from kvpool.pool.ha import Election
+    from kvpool.pool.status import MasterState
+
+    masters = (
+        MasterState("master", "127.0.0.1:6001", "http://127.0.0.1:7001", "down"),
+        MasterState("master-2", "127.0.0.1:6002", "http://127.0.0.1:7002", "leader",
+                    "serving", 9),
+    )  # fmt: skip
+    ha = [Election(2, "127.0.0.1:6001"), Election(5, "127.0.0.1:6002")]
+    ha += [Election(7, "127.0.0.1:6001"), Election(9, "127.0.0.1:6002")]
+    s = _status(masters=masters, elections=tuple(ha))
+    assert s.failovers == 3
+    text = _render(status_view(s, Path("/p")))
+    assert "failovers │ 3 (leaders: ..., 127.0.0.1:6002 from view 5, then" in text
+    js = json.loads(json.dumps(status_json(s, Path("/p"))))
+    assert js["failovers"] == 3 and js["leaders"][0] == {"view": 2, "leader": "127.0.0.1:6001"}
+    unknown = _status(masters=masters, elections_error="etcd at x did not answer")
+    assert unknown.failovers is None
+    assert "failovers │ unknown (etcd at x did not answer)" in _render(
+        status_view(unknown, Path("/p"))
+    )
+    assert _status().failovers is None  # one master: no failover to count
+
+
 def test_status_view_and_json() -> None:
     text = _render(status_view(_status(), Path("/p/pool.json")))
     assert "127.0.0.1:5000  (pid 10)" in text and "(pid 11, not running)" in text

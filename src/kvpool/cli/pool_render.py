@@ -151,6 +151,7 @@ def status_table(status: PoolStatus, pool_file: Path) -> Table:
         t.add_row("master", f"{status.master_address}  (etcd, {etcd}): {health}")
         for m in status.masters:
             t.add_row(f"  {m.name}", _master_line(status, m))
+        t.add_row("  failovers", _failovers_line(status))
     else:
         t.add_row("master", f"{status.master_address}  ({_process_label(status, 'master')})")
     if status.holder_address:
@@ -203,6 +204,16 @@ def _master_line(status: PoolStatus, m: MasterState) -> str:
     return f"{label}: [{colour}]{m.role}[/{colour}] ({m.state}{view})"
 
 
+def _failovers_line(status: PoolStatus, shown: int = 3) -> str:
+    """How many leaders were replaced, and the last few leaders (from etcd)."""
+    if status.failovers is None:
+        return f"[yellow]unknown[/yellow] ({status.elections_error})"
+    last = status.elections[-shown:]
+    leaders = ", then ".join(f"{e.leader} from view {e.view}" for e in last)
+    more = "..., " if len(status.elections) > shown else ""
+    return f"{status.failovers}" + (f" (leaders: {more}{leaders})" if last else "")
+
+
 def _host_keys(status: PoolStatus, host: str) -> str:
     if not status.host_keys_sampled:
         return ""
@@ -244,7 +255,13 @@ def status_view(status: PoolStatus, pool_file: Path) -> Group:
 def _ha_json(status: PoolStatus) -> dict[str, Any]:
     if not status.masters:
         return {}
-    return {"masters": [dataclasses.asdict(m) for m in status.masters], "etcd_error": status.etcd}
+    return {
+        "masters": [dataclasses.asdict(m) for m in status.masters],
+        "etcd_error": status.etcd,
+        "failovers": status.failovers,
+        "leaders": [dataclasses.asdict(e) for e in status.elections],
+        "leaders_error": status.elections_error,
+    }
 
 
 def status_json(status: PoolStatus, pool_file: Path) -> dict[str, Any]:

@@ -8,6 +8,8 @@
     master_roles(metrics_url)    {metrics url: "leader", "standby", "down", ...}
     log_durable_seq(endpoint)    the last sequence number of the leader's log that
                                  is in etcd (``parse_durable_prefix``: its parser)
+    elections(endpoint)          each leader the pool has had, from etcd's history
+                                 of the master view (``parse_elections``: its parser)
     HaStart                      ``LocalPool``'s start-up of etcd and the two masters
                                  (a mixin: the pool supplies addresses and helpers)
 
@@ -31,6 +33,12 @@ leader killed here within milliseconds of its last puts left a new leader with 1
 ``log_durable_seq`` reads that prefix, so a caller can wait for its puts to be
 logged (``kvpool bench ha`` does before each kill, and reports how long it took).
 
+Mooncake counts no failovers. etcd keeps every version of the master-view key
+(etcd's history; nothing here compacts it): each election creates the key anew
+(version 1, under the lease of the new leader), so ``elections`` replays that
+history with a watch from revision 1 and a pool's failovers are its elections
+less one. The revision of each creation is the view number the masters report.
+
 Clients have no setting for the cluster id, so the masters keep Mooncake's default
 one and each pool has an etcd of its own (``kvpool up --ha`` starts it).
 """
@@ -43,7 +51,8 @@ import json
 import shutil
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvpool.config import is_ha, master_endpoints
@@ -53,7 +62,9 @@ from kvpool.pool.master_api import masters_health
 from kvpool.pool.processes import _Process, _spawn, _split_address, free_ports
 
 __all__ = [
+    "Election",
     "HaStart",
+    "elections",
     "etcd_args",
     "etcd_health",
     "etcd_marker",
@@ -61,10 +72,12 @@ __all__ = [
     "log_durable_seq",
     "master_roles",
     "parse_durable_prefix",
+    "parse_elections",
 ]
 
 ETCD_NAME = "kvpool"  # the one member's name
 DURABLE_PREFIX_KEY = "/oplog/mooncake_cluster/durable_prefix"  # Mooncake 0.3.13's
+MASTER_VIEW_KEY = "mooncake-store/mooncake_cluster/master_view"  # the leader's address
 
 
 def etcd_args(home: Path, host: str, client_port: int, peer_port: int) -> list[str]:
@@ -130,6 +143,79 @@ def log_durable_seq(endpoint: str, timeout: float = 1.0) -> int:
             f"etcd at {endpoint} holds no durable-prefix record that kvpool reads "
             f"({exc}); is the pool's Mooncake the version setup.sh installs?"
         ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Election:
+    """One leader of an HA pool: the view (etcd revision) that named it, its address."""
+
+    view: int
+    leader: str
+
+
+def parse_elections(events: Iterable[dict[str, object]]) -> tuple[Election, ...]:
+    """The elections among etcd watch events (JSON gateway form) of the master-view
+    key: each creation of the key (a PUT of version 1) names a new leader; updates
+    and deletions (a lease run out) do not. ``ValueError`` for a malformed event."""
+    out = []
+    for event in events:
+        kv = event.get("kv")
+        if not isinstance(kv, dict):
+            raise ValueError(f"not a watch event: {str(event)[:100]}")
+        if event.get("type", "PUT") != "PUT" or str(kv.get("version")) != "1":
+            continue
+        leader = base64.b64decode(str(kv.get("value", ""))).decode(errors="replace")
+        out.append(Election(int(str(kv["create_revision"])), leader))
+    return tuple(out)
+
+
+def _mod_revision(event: dict[str, object]) -> int:
+    kv = event.get("kv")
+    return int(str(kv["mod_revision"])) if isinstance(kv, dict) else 0
+
+
+def elections(endpoint: str, timeout: float = 1.0) -> tuple[Election, ...]:
+    """Every leader the HA pool whose etcd is at ``endpoint`` (host:port) has had,
+    oldest first (empty before the first election): etcd's history of the master
+    view, replayed by a watch from revision 1 through etcd's JSON gateway.
+    ``StoreUnavailable`` when etcd does not answer, or its history was compacted
+    (it cannot say how many came before)."""
+    key = base64.b64encode(MASTER_VIEW_KEY.encode()).decode()
+    watch = {"create_request": {"key": key, "start_revision": 1}}
+    host, _, port = endpoint.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        # The current revision first: with no election in the history, the watch
+        # sends nothing but its creation, and only the revision says it is all.
+        conn.request("POST", "/v3/kv/range", json.dumps({"key": key}))
+        current = json.loads(conn.getresponse().read())
+        if not current.get("kvs"):
+            return ()  # no leader now; any earlier one is gone from the view
+        last = int(current["kvs"][0]["mod_revision"])
+        conn.request("POST", "/v3/watch", json.dumps(watch))
+        resp = conn.getresponse()
+        events: list[dict[str, object]] = []
+        while not events or _mod_revision(events[-1]) < last:
+            line = resp.readline()
+            if not line:
+                raise ValueError("the watch ended before the history did")
+            result = json.loads(line).get("result") or {}
+            if result.get("compact_revision") or result.get("canceled"):
+                raise StoreUnavailable(
+                    f"etcd at {endpoint} has compacted the history of the master view "
+                    f"(from revision {result.get('compact_revision')}): failovers unknown"
+                )
+            events.extend(result.get("events") or [])
+        return parse_elections(events)
+    except (OSError, http.client.HTTPException) as exc:  # a timeout too
+        raise StoreUnavailable(f"etcd at {endpoint} did not answer: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreUnavailable(
+            f"etcd at {endpoint} gave a history of the master view that kvpool does "
+            f"not read ({exc}); is the pool's Mooncake the version setup.sh installs?"
+        ) from None
+    finally:
+        conn.close()
 
 
 def ha_master_args(endpoint: str) -> list[str]:

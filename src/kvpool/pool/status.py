@@ -12,7 +12,8 @@
                                  and, with tenant quotas, each tenant's bytes
     PoolStatus.masters / .etcd   HA masters: each one's role and state, the leader's
                                  view (Mooncake bumps it at each election), and
-                                 etcd's health
+                                 etcd's health; ``.elections`` every leader so far
+                                 and ``.failovers`` (from etcd's history)
     namespace_counts(keys)       keys grouped by tenant, kvpool namespace and KV
                                  group (``NamespaceSummary``); other keys counted
                                  apart; ``pool_status`` adds each group's bytes
@@ -34,7 +35,7 @@ from typing import Any
 from kvpool.errors import KeyFormatError, StoreUnavailable
 from kvpool.keys import parse_key
 from kvpool.pool.ages import HeadReader, oldest_written
-from kvpool.pool.ha import etcd_health
+from kvpool.pool.ha import Election, elections, etcd_health
 from kvpool.pool.local import LocalPool
 from kvpool.pool.master_api import (
     key_bytes,
@@ -163,6 +164,18 @@ class PoolStatus:
     # empty for a pool of one master
     masters: tuple[MasterState, ...] = ()
     etcd: str = ""
+    # HA: every leader so far, oldest first (``kvpool.pool.ha.elections``); the
+    # failovers are one fewer. ``elections_error``: why etcd could not say.
+    elections: tuple[Election, ...] = ()
+    elections_error: str = ""
+
+    @property
+    def failovers(self) -> int | None:
+        """Leaders replaced since the pool started; None when unknown (not HA, or
+        etcd could not say)."""
+        if not self.masters or self.elections_error:
+            return None
+        return max(len(self.elections) - 1, 0)
 
     def hosts(self) -> dict[str, tuple[int, int, int]]:
         """Per host (a segment name's address part): (segments, bytes used, capacity)."""
@@ -197,6 +210,10 @@ def pool_status(
     metrics_url = pool.metrics_url
     if pool.ha_masters:
         base = replace(base, masters=_masters(pool, timeout), etcd=etcd_health(pool.etcd_endpoint))
+        try:
+            base = replace(base, elections=elections(pool.etcd_endpoint, timeout))
+        except StoreUnavailable as exc:
+            base = replace(base, elections_error=str(exc))
         leaders = [m.metrics_url for m in base.masters if m.role == "leader"]
         if not leaders:
             return replace(base, error="no master leads now (a failover takes ~10 s)")

@@ -129,13 +129,17 @@ def test_a_holder_joins_an_ha_pool_through_its_etcd(home: Home, tmp_path: Path) 
     assert short.returncode != 0 and "--client-ttl 10 or more" in short.stderr, short.stderr
     assert not home.pool_file.exists()
     home.up("--ha", "--client-ttl", "10")
-    etcd = json.loads(home.pool_file.read_text())["master_address"]
+    data = json.loads(home.pool_file.read_text())
+    etcd = data["master_address"]
     second = Home(tmp_path / "second-host")
     try:
-        r = second.up("--master", etcd)
+        # Both masters' metrics servers: the joined host's status asks the leader.
+        r = second.up("--master", etcd, "--metrics-url", data["metrics_url"])
         assert "kvpool pool is up" in r.stdout
         segments = status(home)["segments"]
         assert len(segments) == 2, segments  # both holders mounted on the leader
+        joined = status(second)
+        assert joined["reachable"] and joined["segments"] == segments, joined
     finally:
         if second.pool_file.exists():
             LocalPool.attach(second.pool_file).stop()

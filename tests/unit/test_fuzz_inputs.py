@@ -742,6 +742,26 @@ def _assert_one_line_error(rc: int, out: str, err: str, needle: str) -> None:
             ["up", "--master", "127.0.0.1:1", "--metrics-url", "http://127.0.0.1:9"],
             "does not answer",
         ),
+        (
+            [
+                "up",
+                "--master",
+                "etcd://127.0.0.1:1",
+                "--metrics-url",
+                "http://127.0.0.1:9,http://127.0.0.1:10",
+            ],
+            "http://127.0.0.1:10 (",  # neither answers: both named
+        ),
+        (
+            [
+                "up",
+                "--master",
+                "etcd://127.0.0.1:1",
+                "--metrics-url",
+                "http://127.0.0.1:9,127.0.0.1:10",
+            ],
+            "both, comma-separated",
+        ),
         (["bench", "vllm", "--extra", '{"lookup_timeout": 5}'], "did you mean lookup_timeout_ms?"),
         (["bench", "vllm", "--extra", '{"pool_file": "/x.json"}'], "its own private pool"),
         (["bench", "vllm", "--extra", '{"run_dir": null}'], "run_dir must be a string"),

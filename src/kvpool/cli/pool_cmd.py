@@ -70,21 +70,34 @@ def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
     return size
 
 
-def _check_metrics_url(url: str) -> None:
+def _check_metrics_url(urls: str) -> None:
     """Before anything starts: ``--metrics-url`` must be http://HOST:PORT of a master
-    that answers (a typo once ended in a 20 s wait blamed on the holder)."""
-    if not re.fullmatch(r"http://[^/:\s]+:\d{1,5}/?", url):
+    that answers, or of HA masters a comma-separated list of which one answers at
+    least (the other may be down; a typo once ended in a 20 s wait blamed on the
+    holder)."""
+    listed = [u.strip() for u in urls.split(",")]
+    for url in listed:
+        if not re.fullmatch(r"http://[^/:\s]+:\d{1,5}/?", url):
+            raise click.BadParameter(
+                f"must be http://HOST:PORT (HA masters: both, comma-separated), got {url!r}",
+                param_hint="--metrics-url",
+            )
+    silent: list[str] = []
+    for url in listed:
+        try:
+            master_health(url, timeout=3.0)
+        except StoreUnavailable as exc:
+            silent.append(f"{url} ({exc})")
+    if len(silent) == len(listed):
         raise click.BadParameter(
-            f"must be http://HOST:PORT, got {url!r}", param_hint="--metrics-url"
-        )
-    try:
-        master_health(url, timeout=3.0)
-    except StoreUnavailable as exc:
-        raise click.BadParameter(
-            f"{url} does not answer as a mooncake_master's metrics server ({exc}); give the "
-            "master's http://HOST:PORT (`kvpool status` on its host shows it)",
+            f"{'; '.join(silent)}: does not answer as a mooncake_master's metrics server; "
+            "give the master's http://HOST:PORT (`kvpool status` on its host shows it)",
             param_hint="--metrics-url",
-        ) from None
+        )
+    for one in silent:
+        click.echo(
+            f"kvpool: --metrics-url {one} does not answer; going on with the others", err=True
+        )
 
 
 def _host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -190,7 +203,8 @@ def _quotas(values: tuple[str, ...]) -> dict[str, int]:
     "--metrics-url",
     default="",
     metavar="URL",
-    help="With --master: its metrics server (http://HOST:PORT), for health and status.",
+    help="With --master: its metrics server (http://HOST:PORT; HA masters: both, "
+    "comma-separated), for health and status.",
 )
 @click.option(
     "--host",

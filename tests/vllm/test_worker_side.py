@@ -40,21 +40,23 @@ def test_the_worker_reports_vllms_metadata_and_reads_layers_by_vllms_rule() -> N
 
 
 def test_a_worker_whose_connector_stayed_idle_still_ends_what_the_scheduler_planned() -> None:
-    """The scheduler's set-up succeeded, this worker's did not (no ``WorkerSide``):
-    its loads finish failed (blocks recomputed) and finishing requests are released,
-    or vLLM would wait on this rank for ever."""
+    """The scheduler's set-up succeeded, this worker's did not (its half stays an
+    ``IdleWorker``): its loads finish failed (blocks recomputed) and finishing
+    requests are released, or vLLM would wait on this rank for ever."""
+    from kvpool.connector.results import IdleWorker
     from kvpool.vllm.connector import KVPoolConnector
 
     connector = object.__new__(KVPoolConnector)  # only the worker-role state below is read
-    connector._worker = None
-    connector._orphan_blocks = set()
-    connector._kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace()])
+    connector._worker = IdleWorker(groups=1)
+    connector._sched, connector.lookup_server, connector._lookup_client = None, None, None
     connector._connector_metadata = KVPoolMetadata(
         loads=[ops("l", [4, 5])], finishing=frozenset({"f"})
     )
+    assert connector.worker is None  # no worker side to reach into
     got = connector.get_transfer_results(set())
     assert got.finished_sending == {"f"}
-    assert got.finished_recving == {"l"} and got.failed_recving == {"l"}
+    assert got.finished_recving == {"l"} and got.failed_recving == set()  # by block ids
     assert connector.get_block_ids_with_load_errors() == {4, 5}
     assert connector.get_block_ids_with_load_errors() == set()  # reported once
     assert connector.get_finished(set()) == ({"f"}, {"l"})
+    assert connector.counters() == {} and connector.get_kv_connector_stats() is None

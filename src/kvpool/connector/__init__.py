@@ -13,6 +13,8 @@ run in the fast tier. ``kvpool.vllm`` adapts vLLM's calls onto it.
     kvpool.connector.worker    the worker half: each step's plan into transfer
                                jobs, reopening a lost pool, the report to the
                                scheduler
+    kvpool.connector.results   a step's results for vLLM, and the worker half
+                               that could not start (``IdleWorker``)
     kvpool.connector.shards    a rank's KV tensors cut into the shards it holds
     kvpool.connector.drain     save jobs by request, refused objects to retry, and
                                finished requests whose blocks wait for their saves

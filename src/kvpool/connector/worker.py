@@ -28,7 +28,10 @@
         in an idle step it first blocks up to IDLE_WAIT_S (on its transfers, or
         asleep when it has none: no rank spins while another's transfer runs)
     Worker.load_errors()        block ids to recompute, reported no later than
-        the step that returns their request as finished
+        the step that returns their request as finished (none with several KV
+        groups: failures go by request then, ``connector.results``)
+    Worker.results(plan)        the step's ``StepResults`` for vLLM: ``finished``
+        (idle when ``plan`` is) and ``released``
     Worker.released()           finished requests whose blocks vLLM kept
         (``meta.finishing``) and whose saves are now done: no save job in flight
         and no refused object left to retry, or retries given up after
@@ -79,6 +82,7 @@ from kvpool.config import PoolConfig, is_ha
 from kvpool.connector.counters import interval_empty, stats_delta
 from kvpool.connector.drain import SaveBook
 from kvpool.connector.identity import EngineIdentity
+from kvpool.connector.results import StepResults, step_results
 from kvpool.connector.shards import layer_number, shard_views
 from kvpool.connector.steps import NULL_BLOCK, RequestOps, StepPlan, WorkerReport
 from kvpool.errors import ConfigError, KVPoolError
@@ -599,9 +603,13 @@ class Worker:
         requests with refused objects to retry, finishing requests not released."""
         return self._book.outstanding
 
+    def results(self, plan: StepPlan | None) -> StepResults:
+        """This step's results for vLLM (``plan``: the step's, None if none bound)."""
+        return step_results(self, plan, len(self.kv_cache_config.kv_cache_groups))
+
     def load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
-        return out
+        return out if len(self.kv_cache_config.kv_cache_groups) == 1 else set()
 
     def worker_meta(self) -> WorkerReport | None:
         if not (self._failed_hashes or self._stored or self._forward):

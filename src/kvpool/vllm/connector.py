@@ -79,6 +79,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
 from kvpool.connector.counters import worker_totals
+from kvpool.connector.results import IdleWorker
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
 from kvpool.keys import default_instance, lookup_endpoints
 from kvpool.settings import ConnectorSettings, parse_extra
@@ -216,12 +217,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_like_vllm()
         self._sched: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        # The worker role's half: an IdleWorker until (and unless) WorkerSide starts.
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        self._worker: WorkerSide | IdleWorker = IdleWorker(groups)
         self._lookup_client: LookupClient | None = None
         self.lookup_server: LookupServer | None = None  # this engine's, in the scheduler
         self._lookups = LookupInterval()
         self._closers: list[Any] = []
-        self._orphan_blocks: set[int] = set()  # loads planned for a worker that is idle
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # the base class checked it
         self._failure_policy = str(getattr(transfer, "kv_load_failure_policy", "fail"))
@@ -270,7 +272,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def worker(self) -> WorkerSide | None:
         """This worker's side of the connector (None in the scheduler, or without a pool)."""
-        return self._worker
+        return self._worker if isinstance(self._worker, WorkerSide) else None
 
     def counters(self) -> dict[str, Any]:
         """kvpool's running totals in this process's half (a copy, plain data):
@@ -278,7 +280,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler's lookups (``Planner.totals``) and its lookup server's error
         replies by code. {} when the connector is idle."""
         out: dict[str, Any] = {}
-        if self._worker is not None and (stats := self._worker.stats()) is not None:
+        if (stats := self._worker.stats()) is not None:
             out.update(worker_totals(stats))
         if self.lookup_server is not None:
             errors = self.lookup_server.stats.errors
@@ -384,28 +386,27 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     # ==============================
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self._worker is not None:
-            self._worker.register(kv_caches)
+        self._worker.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called before the forward that may overwrite freed blocks.
-        if self._worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
+        if isinstance(kv_connector_metadata, KVPoolMetadata):
             self._worker.flush_saves(kv_connector_metadata.freed)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:  # the forward runs next: its time is a cost sample
-            self._worker.step_began()
+        self._worker.step_began()  # the forward runs next: its time is a cost sample
+
+    def _plan(self) -> KVPoolMetadata | None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return meta if isinstance(meta, KVPoolMetadata) else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, KVPoolMetadata)
-            self._worker.start_loads(meta)
+        if (plan := self._plan()) is not None:
+            self._worker.start_loads(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is not None:  # loads by layer (load_by_layer); else nothing to wait
-            self._worker.wait_layer(layer_name)
+        self._worker.wait_layer(layer_name)  # loads by layer (load_by_layer)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -413,56 +414,25 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, KVPoolMetadata)
-            self._worker.start_saves(meta)
+        if (plan := self._plan()) is not None:
+            self._worker.start_saves(plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if self._worker is None:
-            return self._results_without_worker(meta)
-        done, failed = self._worker.finished(idle=isinstance(meta, KVPoolMetadata) and meta.idle)
-        # With several KV groups, block ids are ambiguous: report failures per request.
-        multi = len(self._kv_cache_config.kv_cache_groups) > 1
+        sending, recving, failed = self._worker.results(self._plan())
         return KVConnectorTransferResults(
-            finished_sending=self._worker.released(),
-            finished_recving=done,
-            failed_recving=failed if multi else set(),
-        )
-
-    def _results_without_worker(self, meta: Any) -> KVConnectorTransferResults:
-        """A worker whose connector stayed idle (its set-up failed where the
-        scheduler's did not) still answers for what the scheduler planned: each
-        load finishes failed (its blocks are recomputed), each finishing request
-        is released, so no request waits on this rank for ever."""
-        if not isinstance(meta, KVPoolMetadata):
-            return KVConnectorTransferResults()
-        loads = {ops.req_id for ops in meta.loads}
-        self._orphan_blocks.update(
-            b for ops in meta.loads for c in ops.chunks for ids in c.block_ids for b in ids
-        )
-        return KVConnectorTransferResults(
-            finished_sending=set(meta.finishing), finished_recving=loads, failed_recving=loads
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._worker is None:
-            out, self._orphan_blocks = self._orphan_blocks, set()
-            return out if len(self._kv_cache_config.kv_cache_groups) == 1 else set()
-        if len(self._kv_cache_config.kv_cache_groups) > 1:
-            return set()
         return self._worker.load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = None
-        if self._worker is not None:
-            data = self._worker.interval_stats()
-        elif self._lookup_client is not None:  # the scheduler: its lookups
+        data = self._worker.interval_stats()
+        if data is None and self._lookup_client is not None:  # the scheduler: its lookups
             stats = self._lookup_client.stats
             recomputed = self._sched.recomputed if self._sched is not None else (0, 0)
             data = self._lookups.take(stats.lookups, stats.misses, recomputed)
@@ -483,11 +453,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker.worker_meta() if self._worker is not None else None
+        return self._worker.worker_meta()
 
     def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        self._worker.close()
         for close in self._closers:
             try:
                 close()

@@ -15,6 +15,9 @@ run in the fast tier. ``kvpool.vllm`` adapts vLLM's calls onto it.
                                scheduler
     kvpool.connector.results   a step's results for vLLM, and the worker half
                                that could not start (``IdleWorker``)
+    kvpool.connector.opening   opening the halves on a pool: a tenant's pool, a
+                               worker's store (shared memory or not), the
+                               scheduler's lookup server and client
     kvpool.connector.shards    a rank's KV tensors cut into the shards it holds
     kvpool.connector.drain     save jobs by request, refused objects to retry, and
                                finished requests whose blocks wait for their saves

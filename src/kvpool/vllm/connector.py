@@ -56,9 +56,7 @@ for each chunk once all of its objects, from every rank, are in the pool.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -79,13 +77,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvpool import amx
 from kvpool.config import PoolConfig, load_config
 from kvpool.connector.counters import worker_totals
+from kvpool.connector.opening import pool_for_tenant, start_lookups, worker_store
 from kvpool.connector.results import IdleWorker
 from kvpool.errors import ConfigError, KVPoolError, PoolNotFound, UnsupportedEngine
-from kvpool.keys import default_instance, lookup_endpoints
 from kvpool.settings import ConnectorSettings, parse_extra
-from kvpool.store import open_store
-from kvpool.store.base import KVStore
-from kvpool.store.framed import FramedStore
 from kvpool.vllm.identity import (
     EngineIdentity,
     attention_isas,
@@ -132,27 +127,6 @@ def _log_like_vllm() -> None:
         ours.setLevel(theirs.level or logging.INFO)
 
 
-def tenant_config(pool: PoolConfig, tenant: str) -> PoolConfig:
-    """``pool`` for an engine of ``tenant``: its quota's holder and Mooncake tenant
-    where the pool has a quota for it (``PoolConfig.for_tenant``); said once."""
-    mine = pool.for_tenant(tenant)
-    if mine.mooncake_tenant:
-        logger.info("kvpool: tenant %s puts within its quota, through %s", tenant,
-                    mine.holder_address)  # fmt: skip
-    elif pool.tenant_holders:
-        logger.info(
-            "kvpool: the pool has quotas for %s; %s shares the rest of its memory",
-            ", ".join(pool.holders_by_tenant()),
-            f"tenant {tenant}" if tenant else "this engine (no tenant)",
-        )
-    return mine
-
-
-def _holder_is_local(pool: PoolConfig) -> bool:
-    host = pool.holder_address.rpartition(":")[0]
-    return bool(host) and (host in ("127.0.0.1", "localhost", "::1") or host == pool.local_hostname)
-
-
 def _ready_amx(vllm_config: Any, kv_cache_config: Any) -> None:
     """Ask Linux for AMX tile data before this worker runs any forward (see
     ``kvpool.amx``): vLLM's "amx" attention never asks, and a pool hit that leaves
@@ -179,27 +153,6 @@ def _ready_amx(vllm_config: Any, kv_cache_config: Any) -> None:
         logger.warning("kvpool: %s (vLLM's attention does not take its AMX path here)", exc)
         return
     logger.info("kvpool: AMX tile data enabled for this worker (vLLM's CPU attention needs it)")
-
-
-def _framed(identity: EngineIdentity, settings: ConnectorSettings) -> Any:
-    def open_framed(pool: PoolConfig) -> KVStore:
-        shm = settings.shared_memory == "on" or (
-            settings.shared_memory == "auto" and _holder_is_local(pool)
-        )
-        inner = open_store(settings.store, pool, shared_memory=shm)
-        path = "shared memory" if getattr(inner, "shared_memory", False) else pool.protocol
-        tenant = identity.space.tenant
-        logger.info(
-            "kvpool: worker moves KV to the pool at %s over %s%s",
-            pool.master_address,
-            path,
-            f" (tenant {tenant})" if tenant else "",
-        )
-        return FramedStore(
-            inner, identity.space.fingerprint, checksum=pool.checksum, secret=pool.secret
-        )
-
-    return open_framed
 
 
 class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
@@ -245,7 +198,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 settings.token_classes,
                 settings.tenant,
             )
-            pool = tenant_config(load_config(pool_settings), settings.tenant)
+            pool = pool_for_tenant(load_config(pool_settings), settings.tenant)
             pool.require_master()
             events_config = getattr(vllm_config, "kv_events_config", None)
             events = bool(getattr(events_config, "enable_kv_cache_events", False))
@@ -259,7 +212,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                     settings,
                     pool,
                     kv_cache_config,
-                    _framed(identity, settings),
+                    worker_store(identity, settings),
                     events=events,
                 )
         except ConfigError as exc:
@@ -296,40 +249,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         pool: PoolConfig,
         events: bool,
     ) -> SchedulerSide:
-        from kvpool.lookup.client import LookupClient
-        from kvpool.lookup.endpoint import private_dir
-        from kvpool.lookup.server import LookupServer, start_first_free
-
-        run_dir = settings.run_dir or os.path.join(tempfile.gettempdir(), f"kvpool-{os.getuid()}")
-        private_dir(run_dir)
-        instance = settings.instance or default_instance(identity.space)
-        store = open_store(settings.store, pool)
-        self._closers.append(store.close)
-        # A failed load fails the request under policy "fail": no chunk may be taken
-        # as present unprobed then (see kvpool.lookup.search).
-        exact = self._failure_policy == "fail"
-        # Another server of this config on this host may hold the first endpoint:
-        # take the first free one (no setting tells servers apart).
-        server = start_first_free(
-            lookup_endpoints(run_dir, instance, identity.dp_index),
-            lambda url: LookupServer(
-                url, store, identity.layout, identity.space, identity.chunk_size, exact=exact
-            ),
-        )
-        endpoint = server.endpoint.url
-        self.lookup_server = server
-        self._closers.insert(0, server.close)
-        client = LookupClient(endpoint, timeout_ms=settings.lookup_timeout_ms)
-        self._closers.insert(0, client.close)
-        self._lookup_client = client
-        logger.info(
-            "kvpool: scheduler lookups at %s (pool %s%s)",
-            endpoint,
-            pool.master_address,
-            f", tenant {settings.tenant}" if settings.tenant else "",
-        )
+        lookups = start_lookups(identity, settings, pool, exact=self._failure_policy == "fail")
+        self._closers.append(lookups.close)
+        self.lookup_server = lookups.server
+        self._lookup_client = lookups.client
         role = str(getattr(self._vllm_config.kv_transfer_config, "kv_role", None) or "kv_both")
-        return SchedulerSide(identity, settings, client, events=events, role=role)
+        return SchedulerSide(identity, settings, lookups.client, events=events, role=role)
 
     # ==============================
     # Scheduler side

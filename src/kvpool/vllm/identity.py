@@ -23,8 +23,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.connector.identity import EngineIdentity
-from kvpool.errors import ConfigError, LayoutError, UnsupportedEngine
+from kvpool.connector.identity import EngineIdentity, chunk_tokens, settings_layout
+from kvpool.errors import UnsupportedEngine
 from kvpool.keys import KeySpace, dp_index_of
 from kvpool.layout import GroupKind, GroupSpec, Layout, RankCoords
 
@@ -117,18 +117,7 @@ def engine_identity(
     # tokens; each DCP rank's physical block holds its token class of them
     # (vLLM's resolve_kv_cache_block_sizes). Chunks are counted in those tokens.
     block_size *= int(getattr(parallel, "decode_context_parallel_size", 1))
-    chunk = chunk_size or block_size
-    if chunk != block_size and any(not g.every_chunk for g in groups):
-        raise ConfigError(
-            f"chunk_size={chunk} with sliding-window or Mamba layers: vLLM frees a "
-            "window's blocks one by one and keeps a state per block, so a pool object "
-            f"must be one block ({block_size} tokens); unset chunk_size"
-        )
-    if chunk % block_size:
-        raise ConfigError(
-            f"chunk_size={chunk} must be a multiple of the block size {block_size} "
-            "(or unset: one block per pool object)"
-        )
+    chunk = chunk_tokens(chunk_size, block_size, groups)
     pp = int(parallel.pipeline_parallel_size)
     layers = int(model.get_total_num_hidden_layers())
     shape: dict[str, Any] = {
@@ -142,17 +131,8 @@ def engine_identity(
         "dp_index": dp_index_of(parallel),
         "interleave": int(getattr(parallel, "cp_kv_cache_interleave_size", 1) or 1),
     }
-    layout = Layout.create(**shape)  # the engine's own layout (LayoutError: unsupported)
-    grid: dict[str, Any] = {
-        "layer_bands": list(layer_bands) or None,
-        "heads_per_object": heads_per_object,
-        "token_classes": token_classes or None,
-    }
-    if grid != {"layer_bands": None, "heads_per_object": 1, "token_classes": None}:
-        try:
-            layout = Layout.create(**shape, **grid)
-        except LayoutError as exc:  # the settings do not fit this engine: fix them
-            raise ConfigError(str(exc)) from exc
+    # the engine's own layout (LayoutError: unsupported), with the grid settings
+    layout = settings_layout(shape, layer_bands, heads_per_object, token_classes)
     model_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype = str(cache.cache_dtype)
     if kv_dtype == "auto":

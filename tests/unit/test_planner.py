@@ -418,7 +418,7 @@ def test_a_request_ending_while_its_load_runs_is_left_to_vllm() -> None:
 @pytest.mark.parametrize("events, groups", [(True, ["gqa:2"]), (False, ["gqa:2", "gqa:2:w64"])])
 def test_blocks_are_not_kept_where_workers_never_retry(events: bool, groups: list[str]) -> None:
     """KV events on, or a group that frees blocks early (a sliding window): no
-    retries (``WorkerSide.retries_saves``), so nothing to wait for."""
+    retries (``EngineIdentity.holds_for_saves``), so nothing to wait for."""
     manager = FakeManager()
     s = Planner(grouped(groups), ConnectorSettings(), FakeLookup(0), manager, events)
     req = FakeRequest.make("r", 4 * B)

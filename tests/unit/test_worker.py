@@ -678,7 +678,8 @@ def test_refused_saves_are_not_retried_with_kv_events_or_groups_that_free_blocks
             ident, 0, ConnectorSettings(), PoolConfig(), config, lambda _: store, events=events
         )
         worker.register(kv_caches())
-        assert worker.retries_saves is retry, (events, config is sliding)
+        assert ident.holds_for_saves(events) is retry, (events, config is sliding)
+        assert worker._book.retries is retry  # the worker follows the one rule
         worker.close()
 
 

@@ -207,8 +207,8 @@ class Planner:
         # chunk hash -> [objects stored so far, token ids, parent chunk hash, fresh]
         self._unstored: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._events: list[Any] = []
-        # Workers retry a refused save while vLLM keeps the request's blocks (the
-        # worker's rule, ``WorkerSide.retries_saves``): a finished request's blocks are
+        # Workers retry a refused save while vLLM keeps the request's blocks (the one
+        # rule, ``EngineIdentity.holds_for_saves``): a finished request's blocks are
         # then kept until its saves are done.
         self._drains = identity.holds_for_saves(events) and self.saves
         # Mamba groups: a chunk's state is saved from vLLM's boundary-state hand-off

@@ -577,16 +577,6 @@ class Worker:
         out, self._released = self._released, set()
         return out
 
-    @property
-    def retries_saves(self) -> bool:
-        """Whether saves refused for local pressure are submitted again: every group
-        keeps a running request's blocks (sliding windows and Mamba states move
-        on, so a later step would read other bytes under the chunk's key), and KV
-        events are off (a retry's report could count an object twice, completing
-        a chunk early). The scheduler keeps a finished request's blocks by the
-        same rule (``SchedulerSide.finish``)."""
-        return self._book.retries
-
     def _note_stored(self, result: JobResult) -> None:
         hashes = self._saves.pop(result.job_id, None)
         if hashes is None:

@@ -1,5 +1,6 @@
-"""The README's bench tables are what their commands print: each sits in a report
-block naming the command that made it and the date, with that command's columns."""
+"""The README's bench tables are in the form their commands print: each sits in a
+report block naming the command that made it, the date and the machine, with that
+command's columns (the numbers are the command's to check: run it again)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def test_every_readme_table_is_a_report_block_of_its_commands_format() -> None:
         report = REPORTS[b.name]
         assert b.command == report.command, b.name
         datetime.datetime.strptime(b.date, "%d %B %Y")  # a real date
+        assert b.machine.endswith(" cores"), (b.name, b.machine)  # CPU model, cores
         header, rule, *rows = b.table
         want = table_rows(report.empty_table()).splitlines()[0]
         assert columns(header) == columns(want), b.name
@@ -45,18 +47,22 @@ def test_each_report_command_is_one_the_cli_accepts(name: str) -> None:
 
 def test_a_block_is_rewritten_in_place_and_read_back() -> None:
     text = (
-        "intro\n<!-- report vllm -->\n    $ old   # 1 January 2026\n    x\n<!-- /report -->\nend\n"
+        "intro\n<!-- report vllm -->\n    $ old   # 1 January 2026, X, 2 cores\n    x\n"
+        "<!-- /report -->\nend\n"
     )
     table = "a  b\n────\n1  2"
-    out = put_block(text, "vllm", REPORTS["vllm"].command, table, "6 December 2026")
+    out = put_block(
+        text, "vllm", REPORTS["vllm"].command, table, "6 December 2026", "AMD EPYC, 2 cores"
+    )
     assert REPORTS["vllm"].command.startswith("kvpool bench vllm ")
     assert REPORTS["demo"].command == "kvpool demo"
     assert out.startswith("intro\n") and out.endswith("<!-- /report -->\nend\n")
     (block,) = readme_blocks(out)
     assert block.command == REPORTS["vllm"].command and block.date == "6 December 2026"
+    assert block.machine == "AMD EPYC, 2 cores"
     assert block.table == ("a  b", "────", "1  2")
     with pytest.raises(ValueError, match="no report block 'serve'"):
-        put_block(text, "serve", "kvpool bench serve", table, "6 December 2026")
+        put_block(text, "serve", "kvpool bench serve", table, "6 December 2026", "X, 2 cores")
 
 
 def test_a_malformed_block_is_refused_naming_it() -> None:
@@ -73,3 +79,13 @@ def test_report_refuses_unknown_tables_before_running_anything(tmp_path: Path) -
         bench.main(["report", "--readme", str(readme), "--only", "nope"], standalone_mode=False)
     with pytest.raises(click.BadParameter, match="no report block for capacity"):
         bench.main(["report", "--readme", str(readme), "--only", "capacity"], standalone_mode=False)
+
+
+def test_a_block_without_its_machine_is_refused_and_this_machine_is_named() -> None:
+    from kvpool.cli.bench_report_cmd import machine_name
+
+    with pytest.raises(ValueError, match="CPU MODEL, N cores"):
+        readme_blocks(
+            "<!-- report vllm -->\n    $ kvpool demo   # 6 December 2026\n<!-- /report -->\n"
+        )
+    assert machine_name().endswith(" cores") and not machine_name().startswith(",")

@@ -4,9 +4,10 @@
                              it (a bench, or the demo), and the table function whose
                              columns it has
     readme_blocks(text)      the report blocks of a README: (name, command, date,
-                             table lines) each
-    put_block(text, name, command, table, date)
+                             machine, table lines) each
+    put_block(text, name, command, table, date, machine)
                              the README with that block's content replaced
+    machine_name()           this machine as a block names it: CPU model, cores
     kvpool bench report [--readme FILE] [--only NAMES]
                              run each table's command (``--table``: header and
                              rows, 80 columns) and write it into its block
@@ -14,19 +15,24 @@
 A block in the README reads::
 
     <!-- report vllm -->
-        $ kvpool bench vllm --shape llama3-8b --lengths 1000,4000   # 6 December 2026
+        $ kvpool bench vllm --lengths 1000   # 6 December 2026, AMD EPYC, 2 cores
         connector  len prefill ...
         ...
     <!-- /report -->
 
-The command line is the one run, the date the day it ran; nothing else writes
-inside a block. A unit test checks every block against ``REPORTS`` (its command
-and its column names), so a table cannot drift from what its command prints.
+The command line is the one run, the date the day it ran, the machine the one it
+ran on; nothing else writes inside a block. A unit test checks every block's form
+against ``REPORTS`` (its command, its column names, a date and a machine): the
+columns cannot drift from what the command prints, but the numbers are checked by
+nobody but the command that wrote them (run it again to compare).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import platform
 import re
 import shlex
 import subprocess
@@ -45,7 +51,7 @@ __all__ = ["REPORTS", "Report", "put_block", "readme_blocks"]
 
 _OPEN = re.compile(r"^<!-- report ([a-z0-9-]+) -->$", re.M)
 _CLOSE = "<!-- /report -->"
-_COMMAND = re.compile(r"^    \$ (kvpool .+?)\s+# (\d{1,2} [A-Z][a-z]+ \d{4})$")
+_COMMAND = re.compile(r"^    \$ (kvpool .+?)\s+# (\d{1,2} [A-Z][a-z]+ \d{4}), (\S.*)$")
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,7 @@ class Block:
     name: str
     command: str
     date: str
+    machine: str  # CPU model and cores, as machine_name() says
     table: tuple[str, ...]  # header, rule, rows (indent removed)
 
 
@@ -173,12 +180,13 @@ def readme_blocks(text: str) -> list[Block]:
         first = _COMMAND.match(lines[0]) if lines else None
         if first is None:
             raise ValueError(
-                f"report block {name!r} must begin with '    $ kvpool ...   # D Month YYYY'"
+                f"report block {name!r} must begin with "
+                "'    $ kvpool ...   # D Month YYYY, CPU MODEL, N cores'"
             )
         if any(line and not line.startswith("    ") for line in lines[1:]):
             raise ValueError(f"report block {name!r}: table lines are indented 4 spaces")
         table = tuple(line[4:] for line in lines[1:])
-        blocks.append(Block(name, first.group(1), first.group(2), table))
+        blocks.append(Block(name, first.group(1), first.group(2), first.group(3), table))
     return blocks
 
 
@@ -187,14 +195,28 @@ def columns(header: str) -> list[str]:
     return header.split()
 
 
-def put_block(text: str, name: str, command: str, table: str, date: str) -> str:
+def put_block(text: str, name: str, command: str, table: str, date: str, machine: str) -> str:
     """``text`` with block ``name``'s content replaced; ``ValueError`` if it has none."""
     m = re.search(rf"^<!-- report {re.escape(name)} -->$", text, re.M)
     end = text.find(_CLOSE, m.end()) if m else -1
     if m is None or end < 0:
         raise ValueError(f"the README has no report block {name!r} to write")
-    body = f"    $ {command}   # {date}\n" + "".join(f"    {line}\n" for line in table.splitlines())
+    body = f"    $ {command}   # {date}, {machine}\n" + "".join(
+        f"    {line}\n" for line in table.splitlines()
+    )
     return text[: m.end()] + "\n" + body + text[end:]
+
+
+def machine_name() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``) and core count, e.g. "AMD EPYC,
+    2 cores": the figures of a block hold on that machine only."""
+    model = platform.processor() or platform.machine() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = " ".join(line.split(":", 1)[1].split())
+                break
+    return f"{model}, {os.cpu_count() or 1} cores"
 
 
 def _today() -> str:
@@ -234,7 +256,7 @@ def bench_report(readme: Path, only: str) -> None:
         report = REPORTS[name]
         console.print(f"running {report.command}")
         table = _run(report.args)
-        text = put_block(readme.read_text(), name, report.command, table, _today())
+        text = put_block(readme.read_text(), name, report.command, table, _today(), machine_name())
         readme.write_text(text)  # after each table: a later failure keeps the earlier
         console.print(table)
 

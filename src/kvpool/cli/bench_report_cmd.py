@@ -11,6 +11,12 @@
     kvpool bench report [--readme FILE] [--only NAMES]
                              run each table's command (``--table``: header and
                              rows, 80 columns) and write it into its block
+    kvpool bench report --check [--band B] [--only NAMES]
+                             run the commands of the blocks made on this machine
+                             (CPU model and cores as the block names them; others
+                             are skipped, said) and compare, writing nothing: exit
+                             1 where a number is off by more than ``--band``
+                             (``kvpool.bench.drift``)
 
 A block in the README reads::
 
@@ -44,6 +50,7 @@ from typing import Any
 
 import click
 
+from kvpool.bench.drift import table_drift
 from kvpool.cli.bench_cmd import bench
 from kvpool.cli.console import console
 
@@ -237,7 +244,20 @@ def _today() -> str:
     show_default=True,
     help="Comma-separated tables to make again.",
 )
-def bench_report(readme: Path, only: str) -> None:
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Compare instead of writing: run the tables made on this machine and fail where "
+    "a number is off by more than --band.",
+)
+@click.option(
+    "--band",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=1.0),
+    help="With --check: a number matches within this factor of the README's.",
+)
+def bench_report(readme: Path, only: str, check: bool, band: float) -> None:
     """Run the commands behind the README's bench tables and write their tables in."""
     names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in names if n not in REPORTS]
@@ -252,6 +272,9 @@ def bench_report(readme: Path, only: str) -> None:
         raise click.BadParameter(
             f"{readme} has no report block for {', '.join(missing)}", param_hint="--only"
         )
+    if check:
+        _check(readme_blocks(text), names, band)
+        return
     for name in names:
         report = REPORTS[name]
         console.print(f"running {report.command}")
@@ -259,6 +282,25 @@ def bench_report(readme: Path, only: str) -> None:
         text = put_block(readme.read_text(), name, report.command, table, _today(), machine_name())
         readme.write_text(text)  # after each table: a later failure keeps the earlier
         console.print(table)
+
+
+def _check(blocks: Sequence[Block], names: Sequence[str], band: float) -> None:
+    """Run each named block's command made on this machine and compare (writes nothing)."""
+    here = machine_name()
+    off: list[str] = []
+    for block in (b for b in blocks if b.name in names):
+        if block.machine != here:
+            console.print(f"{block.name}: skipped, made on {block.machine} (this is {here})")
+            continue
+        console.print(f"{block.name}: running {block.command}")
+        now = _run(REPORTS[block.name].args).splitlines()
+        drift = table_drift(block.table, now, band)
+        console.print(f"{block.name}: " + ("within the band" if not drift else "; ".join(drift)))
+        off += [block.name] if drift else []
+    if off:
+        raise click.ClickException(
+            f"{', '.join(off)}: numbers off by more than {band}x from the README's block"
+        )
 
 
 def _run(args: Sequence[str]) -> str:

@@ -19,7 +19,7 @@ from tests.store.conftest import Home
 
 from kvpool.pool import LocalPool, wait_until
 from kvpool.pool.binaries import ETCD_BINARY, MASTER_BINARY
-from kvpool.pool.ha import master_roles
+from kvpool.pool.ha import log_durable_seq, master_roles
 from kvpool.pool.master_api import master_health
 from kvpool.pool.processes import is_mooncake_process
 
@@ -88,7 +88,12 @@ def test_up_ha_fails_over_keeping_the_objects_and_down_stops_everything(home: Ho
     before = status(home)
     assert before["failovers"] == 0 and len(before["leaders"]) == 1, before
 
+    etcd = data["master_address"].removeprefix("etcd://")
+    logged = log_durable_seq(etcd)
     assert client(home.pool_file, "put", 50) == 50
+    # The leader answers a put before its log entry is in etcd: a kill before that
+    # loses the object (kvpool.pool.ha). Wait for the 50 entries, as bench ha does.
+    assert wait_until(lambda: log_durable_seq(etcd) >= logged + 50, 10, step=0.01)
     leader = next(name for name, role in first.items() if role == "leader")
     pids = {role: pid for role, pid, _ in procs}
     urls = data["metrics_url"].split(",")

@@ -58,11 +58,22 @@ def test_check_skips_blocks_made_on_another_machine_and_writes_nothing(tmp_path:
         "    a  b\n    ────\n    1  2\n<!-- /report -->\n"
     )
     readme.write_text(text)
-    bench.main(
-        ["report", "--readme", str(readme), "--only", "lookup", "--check"], standalone_mode=False
-    )
+    with pytest.raises(click.ClickException, match="nothing checked"):
+        bench.main(
+            ["report", "--readme", str(readme), "--only", "lookup", "--check"],
+            standalone_mode=False,
+        )
     assert readme.read_text() == text
     with pytest.raises(click.BadParameter):
         bench.main(
             ["report", "--readme", str(readme), "--check", "--band", "0.5"], standalone_mode=False
         )
+
+
+def test_signed_numbers_compare_as_numbers_and_only_counts_must_stay_zero() -> None:
+    kept = ["N gap fail  ms", "──", "1x   +4    0  0.00"]
+    assert table_drift(kept, ["N gap fail  ms", "──", "1x   +5    0  0.01"]) == []
+    assert table_drift(kept, ["N gap fail  ms", "──", "1x  +15    1  0.00"]) == [
+        "row 1 (1x): +4 -> +15",
+        "row 1 (1x): 0 -> 1",
+    ]

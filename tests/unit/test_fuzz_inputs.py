@@ -762,6 +762,10 @@ def _assert_one_line_error(rc: int, out: str, err: str, needle: str) -> None:
             ],
             "both, comma-separated",
         ),
+        (
+            ["up", "--master", "127.0.0.1:1", "--metrics-url", "http://127.0.0.1:9,http://x:10"],
+            "only with --master etcd://",
+        ),
         (["bench", "vllm", "--extra", '{"lookup_timeout": 5}'], "did you mean lookup_timeout_ms?"),
         (["bench", "vllm", "--extra", '{"pool_file": "/x.json"}'], "its own private pool"),
         (["bench", "vllm", "--extra", '{"run_dir": null}'], "run_dir must be a string"),

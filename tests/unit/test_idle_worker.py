@@ -9,17 +9,17 @@ from kvpool.connector.results import IdleWorker, StepResults, step_results
 from kvpool.connector.steps import StepPlan
 
 
-def test_an_idle_worker_fails_each_planned_load_by_its_blocks_and_releases_at_once() -> None:
+def test_an_idle_worker_fails_each_planned_load_and_its_blocks_and_releases_at_once() -> None:
     idle = IdleWorker(groups=1)
     plan = StepPlan(loads=[ops("a", [4, 5]), ops("b", [9])], finishing=frozenset({"f"}))
-    assert idle.results(plan) == StepResults({"f"}, {"a", "b"}, set())
+    assert idle.results(plan) == StepResults({"f"}, {"a", "b"}, {"a", "b"})
     assert idle.load_errors() == {4, 5, 9}
     assert idle.load_errors() == set()  # each block reported once
     assert idle.results(None) == StepResults(set(), set(), set())
     assert idle.saves_in_flight == 0 and idle.engine is None and idle.worker_meta() is None
 
 
-def test_with_several_kv_groups_failures_go_by_request_not_by_block() -> None:
+def test_with_several_kv_groups_failures_go_by_request_only() -> None:
     idle = IdleWorker(groups=2)
     assert idle.results(StepPlan(loads=[ops("a", [4])])) == StepResults(set(), {"a"}, {"a"})
     assert idle.load_errors() == set()

@@ -55,7 +55,7 @@ def test_a_worker_whose_connector_stayed_idle_still_ends_what_the_scheduler_plan
     assert connector.worker is None  # no worker side to reach into
     got = connector.get_transfer_results(set())
     assert got.finished_sending == {"f"}
-    assert got.finished_recving == {"l"} and got.failed_recving == set()  # by block ids
+    assert got.finished_recving == {"l"} and got.failed_recving == {"l"}
     assert connector.get_block_ids_with_load_errors() == {4, 5}
     assert connector.get_block_ids_with_load_errors() == set()  # reported once
     assert connector.get_finished(set()) == ({"f"}, {"l"})

@@ -5,8 +5,9 @@ report --check``.
 
 Both tables are the lines a command prints with ``--table`` (header, rule, rows).
 Cells are compared word by word: a number (``0.29``, ``100%``, ``4.7x``, ``1494M``)
-matches when the larger of the two is at most ``band`` times the smaller (both
-zero, or the same sign; a count that was 0 must stay 0); any other word must be
+matches when the larger of the two is at most ``band`` times the smaller (the
+same sign; a count, a whole number without a unit, that was 0 must stay 0; a
+measured 0 matches a value of at most 1 in its unit); any other word must be
 equal (row labels, "yes", "-"). A row more or fewer, or a changed header, is a
 difference. The band is the noise a shared 2-core machine shows between runs of
 one command (2x by default: runs of ``bench vllm`` on one host varied by up to
@@ -21,18 +22,26 @@ from collections.abc import Sequence
 
 __all__ = ["table_drift"]
 
-_NUMBER = re.compile(r"^(-?\d+(?:\.\d+)?)([%xMGKms]*)$")
+_NUMBER = re.compile(r"^([-+]?\d+(?:\.\d+)?)([%xMGKms]*)$")
 
 
-def _number(word: str) -> tuple[float, str] | None:
+def _number(word: str) -> tuple[float, str, bool] | None:
+    """(value, unit, a count: a whole number without a unit), or None for a word."""
     m = _NUMBER.match(word)
-    return (float(m.group(1)), m.group(2)) if m else None
+    if m is None:
+        return None
+    count = not m.group(2) and "." not in m.group(1)
+    return float(m.group(1)), m.group(2), count
 
 
-def _close(a: float, b: float, band: float) -> bool:
+def _close(a: float, b: float, band: float, count: bool) -> bool:
     if a == b:
         return True
-    if a == 0 or b == 0 or (a < 0) != (b < 0):
+    if count and (a == 0 or b == 0):  # a count that was 0 stays 0 (failures, refusals)
+        return False
+    if a == 0 or b == 0:  # a measured 0.00 against 0.01: both at the table's resolution
+        return abs(a - b) <= 0.05 or max(abs(a), abs(b)) <= 1
+    if (a < 0) != (b < 0):
         return False
     big, small = max(abs(a), abs(b)), min(abs(a), abs(b))
     return big <= band * small
@@ -56,7 +65,7 @@ def table_drift(kept: Sequence[str], now: Sequence[str], band: float = 2.0) -> l
         for x, y in zip(wa, wb, strict=True):
             nx, ny = _number(x), _number(y)
             same = (
-                nx[1] == ny[1] and _close(nx[0], ny[0], band)
+                nx[1] == ny[1] and _close(nx[0], ny[0], band, nx[2] and ny[2])
                 if nx is not None and ny is not None
                 else x == y
             )

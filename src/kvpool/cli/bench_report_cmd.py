@@ -288,10 +288,12 @@ def _check(blocks: Sequence[Block], names: Sequence[str], band: float) -> None:
     """Run each named block's command made on this machine and compare (writes nothing)."""
     here = machine_name()
     off: list[str] = []
+    checked = 0
     for block in (b for b in blocks if b.name in names):
         if block.machine != here:
             console.print(f"{block.name}: skipped, made on {block.machine} (this is {here})")
             continue
+        checked += 1
         console.print(f"{block.name}: running {block.command}")
         now = _run(REPORTS[block.name].args).splitlines()
         drift = table_drift(block.table, now, band)
@@ -300,6 +302,11 @@ def _check(blocks: Sequence[Block], names: Sequence[str], band: float) -> None:
     if off:
         raise click.ClickException(
             f"{', '.join(off)}: numbers off by more than {band}x from the README's block"
+        )
+    if not checked:
+        raise click.ClickException(
+            f"nothing checked: no block of {', '.join(names)} was made on this machine "
+            f"({here}); `kvpool bench report --only NAMES` makes them here"
         )
 
 

@@ -271,6 +271,12 @@ def up(
     if disk_size is not None and disk_dir is None:
         raise click.UsageError("--disk-size goes with --disk")
     if metrics_url:
+        if "," in metrics_url and not str(master).startswith("etcd://"):
+            raise click.UsageError(
+                "--metrics-url names several masters only with --master etcd://HOST:PORT "
+                "(an HA pool's two masters); one master has one metrics URL"
+            )
+        metrics_url = ",".join(u.strip() for u in metrics_url.split(","))
         _check_metrics_url(metrics_url)
     pool_secret = ""
     if secret:

@@ -8,7 +8,8 @@
                              this rank where the scheduler's did not (the pool not
                              reachable from here, ...): it moves nothing, yet answers
                              for what the scheduler planned: each planned load ends
-                             failed (its blocks recomputed, reported once), each
+                             failed (by request; with one KV group its blocks too,
+                             reported once), each
                              finishing request is released at once, so no request
                              waits on this rank for ever
 
@@ -58,7 +59,7 @@ class IdleWorker:
         self._errors: set[int] = set()
 
     def results(self, plan: StepPlan | None) -> StepResults:
-        """Every load of ``plan`` failed, every finishing request released."""
+        """Every load of ``plan`` failed (by request), every finishing request released."""
         if plan is None:
             return StepResults(set(), set(), set())
         loads = {ops.req_id for ops in plan.loads}
@@ -66,7 +67,9 @@ class IdleWorker:
             self._errors.update(
                 b for ops in plan.loads for c in ops.chunks for ids in c.block_ids for b in ids
             )
-        return StepResults(set(plan.finishing), loads, loads if self.groups > 1 else set())
+        # Failed by request as well (with one group too): vLLM then recomputes each
+        # such request from its start, as the connector did before this class.
+        return StepResults(set(plan.finishing), loads, loads)
 
     def load_errors(self) -> set[int]:
         """The blocks of the loads ``results`` failed, each once (one KV group)."""

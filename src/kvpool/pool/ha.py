@@ -176,10 +176,10 @@ def _mod_revision(event: dict[str, object]) -> int:
 
 def elections(endpoint: str, timeout: float = 1.0) -> tuple[Election, ...]:
     """Every leader the HA pool whose etcd is at ``endpoint`` (host:port) has had,
-    oldest first (empty before the first election): etcd's history of the master
-    view, replayed by a watch from revision 1 through etcd's JSON gateway.
-    ``StoreUnavailable`` when etcd does not answer, or its history was compacted
-    (it cannot say how many came before)."""
+    oldest first: etcd's history of the master view, replayed by a watch from
+    revision 1 through etcd's JSON gateway. ``StoreUnavailable`` when etcd does not
+    answer, no master leads now (the count would stop short of the next leader),
+    or its history was compacted (it cannot say how many came before)."""
     key = base64.b64encode(MASTER_VIEW_KEY.encode()).decode()
     watch = {"create_request": {"key": key, "start_revision": 1}}
     host, _, port = endpoint.rpartition(":")
@@ -189,8 +189,8 @@ def elections(endpoint: str, timeout: float = 1.0) -> tuple[Election, ...]:
         # sends nothing but its creation, and only the revision says it is all.
         conn.request("POST", "/v3/kv/range", json.dumps({"key": key}))
         current = json.loads(conn.getresponse().read())
-        if not current.get("kvs"):
-            return ()  # no leader now; any earlier one is gone from the view
+        if not current.get("kvs"):  # between a lease running out and the next election
+            raise StoreUnavailable(f"no master leads now (a failover?); etcd at {endpoint}")
         last = int(current["kvs"][0]["mod_revision"])
         conn.request("POST", "/v3/watch", json.dumps(watch))
         resp = conn.getresponse()

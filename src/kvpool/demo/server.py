@@ -111,9 +111,9 @@ class VllmServer:
         self.log_path = Path(folder) / f"{name}.log"
         # PYTHONFAULTHANDLER: a process killed by a signal leaves "Fatal Python error"
         # and its stack in the log.
-        self.env = dict(
-            os.environ, MC_TCP_BIND_ADDRESS=_HOST, PYTHONFAULTHANDLER="1", **(env or {})
-        )
+        self.env = {
+            **os.environ, "MC_TCP_BIND_ADDRESS": _HOST, "PYTHONFAULTHANDLER": "1", **(env or {})
+        }
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -359,6 +359,45 @@ def test_a_save_copies_off_the_forwards_path_and_holds_its_blocks_until_copied(
     worker.close()
 
 
+def test_saves_put_is_set_by_close_once_every_queued_save_is_in_the_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close`` puts what was queued before it returns; ``saves_put`` tells a
+    process about to exit that it may (the demo engine waits for it, not for the
+    store's own close)."""
+    worker, store = plain_worker()
+    engine = worker.engine
+    assert engine is not None
+    copier = engine._core.copier
+    copying, go, store_may_close = threading.Event(), threading.Event(), threading.Event()
+    gather, close_store = copier.gather, store.close
+
+    def held_gather(*args: object, **kwargs: object) -> None:
+        copying.set()
+        assert go.wait(30)
+        gather(*args, **kwargs)  # type: ignore[arg-type]
+
+    def held_close() -> None:  # a memory store forgets its objects at close
+        assert store_may_close.wait(30)
+        close_store()
+
+    monkeypatch.setattr(copier, "gather", held_gather)
+    monkeypatch.setattr(store, "close", held_close)
+    worker.start_saves(StepPlan(saves=[ops("a", [1, 2])]))
+    assert copying.wait(10)
+    closing = threading.Thread(target=worker.close)
+    closing.start()
+    assert not worker.saves_put.wait(0.2)  # the save is still queued
+    go.set()
+    assert worker.saves_put.wait(10)
+    keys = [worker.identity.space.key(worker.identity.layout.holdings(0, 0)[0], bytes([i]) * 8)
+            for i in (1, 2)]  # fmt: skip
+    assert set(keys) <= set(store.keys())
+    store_may_close.set()
+    closing.join(10)
+    assert not closing.is_alive()
+
+
 def test_every_rank_blocks_in_an_idle_step_even_with_no_transfer_of_its_own() -> None:
     """vLLM's engine and workers spin while one waits for another; a rank with no
     load of its own that returned at once spun beside them and, on two cores,

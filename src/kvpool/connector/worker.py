@@ -39,6 +39,10 @@
     Worker.step_began()         the forward is about to run (vLLM binds the
         step's plan): the forward's time is taken from here to ``start_saves``,
         less the time spent in this worker meanwhile
+    Worker.saves_put            a ``threading.Event`` set once ``close`` has put
+        every save queued (the transfer engine closed), before the store's own
+        close (a client of HA masters takes ~30 s): what a process that exits
+        right after its engine's shutdown waits for
     Worker.worker_meta()        chunk hashes that failed to load, for the
         scheduler's lookup suppression; (``events``) the objects per chunk hash
         that this worker's saves put in the pool; and the time of this step's
@@ -130,6 +134,7 @@ class Worker:
         self._dead_since: float | None = None  # HA: since when every job was UNAVAILABLE
         self.engine: TransferEngine | None = None
         self.store: KVStore | None = None
+        self.saves_put = threading.Event()
         self._local: dict[int, int] = {}  # vLLM group index -> index in _groups
         self._jobs = itertools.count()
         self._loads: dict[object, tuple[str, dict[str, bytes]]] = {}  # job -> (req, key->hash)
@@ -636,6 +641,7 @@ class Worker:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        self.saves_put.set()
         if self.store is not None and self.store is not self._kv_home:
             self.store.close()
         self.store = None

@@ -273,12 +273,14 @@ def _shut_down(llm: Any, timeout_s: float = 60.0) -> None:
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    worker = getattr(connector, "worker", None)  # KVPoolConnector.worker: None if idle
+    saves_put: threading.Event | None = getattr(worker, "saves_put", None)
     closing = threading.Thread(target=llm.llm_engine.engine_core.shutdown, daemon=True)
     closing.start()
     deadline = time.monotonic() + timeout_s
     while closing.is_alive() and time.monotonic() < deadline:
-        if worker is not None and getattr(worker, "engine", None) is None:
+        if saves_put is not None and saves_put.wait(0.05):
             return  # saves put; the rest of the teardown is not waited for
         closing.join(0.05)
 

@@ -112,7 +112,10 @@ class VllmServer:
         # PYTHONFAULTHANDLER: a process killed by a signal leaves "Fatal Python error"
         # and its stack in the log.
         self.env = {
-            **os.environ, "MC_TCP_BIND_ADDRESS": _HOST, "PYTHONFAULTHANDLER": "1", **(env or {})
+            **os.environ,
+            "MC_TCP_BIND_ADDRESS": _HOST,
+            "PYTHONFAULTHANDLER": "1",
+            **(env or {}),
         }
         self._proc: subprocess.Popen[bytes] | None = None
 

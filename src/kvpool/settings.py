@@ -86,6 +86,14 @@ class ConnectorSettings:
         "never load (the pool is written, not read).",
     )
     save_decode: bool = documented(False, "Also save chunks completed during decode.")
+    save_priority: Literal["idle", "normal"] = documented(
+        "normal",
+        "normal: a worker's save threads (the copy into staging, the puts) run as any "
+        "thread. idle: under Linux's SCHED_IDLE, on CPU time the engine's steps leave, "
+        "raised to normal while saves wait 0.5 s with no piece moved; for hosts with idle "
+        "CPU (on a host with none, a starved save thread holding Python's GIL stalls the "
+        "engine's thread up to a second). idle needs CAP_SYS_NICE (root has it), else normal.",
+    )
     tenant: str = documented(
         "",
         "The engine's tenant: its objects are named in that tenant's space, and engines "
@@ -186,6 +194,12 @@ def parse_extra(
                 raise ConfigError(
                     f"kv_connector_extra_config.load_decision must be measured, load or "
                     f"recompute, got {v!r}"
+                )
+            values[name] = v
+        elif name == "save_priority":
+            if not isinstance(v, str) or v not in ("idle", "normal"):
+                raise ConfigError(
+                    f"kv_connector_extra_config.save_priority must be idle or normal, got {v!r}"
                 )
             values[name] = v
         elif name == "load_mode":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1134,3 +1135,31 @@ def test_the_staging_gather_copies_the_rows_asked_and_refuses_rows_outside() -> 
     for bad in ([10], [-1]):
         with pytest.raises(IndexError, match=r"outside 0\.\.9"):
             _take(src, np.array(bad), np.zeros((1, 4), dtype=np.int16))
+
+
+@pytest.mark.parametrize("priority", ["idle", "normal"])
+def test_save_threads_take_only_idle_cpu_time_when_asked(store: KVStore, priority: str) -> None:
+    """``save_priority="idle"``: the save and stage threads run under Linux's
+    SCHED_IDLE, the load threads as any thread; "normal" leaves them all alone.
+    A save still lands (this test's machine has idle time)."""
+    layers = cpu_layers(2)
+    randomize(layers, 1)
+    eng = engine(store, layers, deferred_saves=True, save_priority=priority)
+    try:
+        idle = os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER
+        expected = {
+            "kvpool-save": idle,
+            "kvpool-stage": idle,
+            "kvpool-load": os.SCHED_OTHER,
+            "kvpool-scatter": os.SCHED_OTHER,
+        }
+
+        def policies() -> dict[str, int]:
+            return {t.name: os.sched_getscheduler(t.native_id or 0) for t in eng._threads}
+
+        assert wait_until(lambda: policies() == expected, 10), policies()  # once started
+        eng.submit_save("s", [ChunkRef(f"k{i}", 0, i, (i,)) for i in range(4)])
+        (result,) = eng.wait(["s"], timeout=30)
+        assert result.ok and store.batch_exists(["k0", "k1", "k2", "k3"]) == [Status.OK] * 4
+    finally:
+        eng.close()

@@ -224,6 +224,7 @@ class Worker:
                 prefault=True,  # a fresh engine's first loads at full speed
                 # vLLM keeps the blocks until saves are done: copy them off the step
                 deferred_saves=self.identity.holds_for_saves(self._events),
+                save_priority=self.settings.save_priority,
             )
         except BaseException:
             if store is not self._kv_home:

@@ -31,6 +31,10 @@
     abandon_loads()                report every unfinished staged load failed now
     close()                        stop the threads after the queued jobs
 
+With ``save_priority="idle"`` the save and stage threads run under Linux's
+``SCHED_IDLE``, raised to normal priority while saves starve (``priority``): a save
+takes CPU time the engine's forward and scheduling do not want.
+
 With ``prefault`` (the connector's workers), a store that moves bytes through its
 own memory (Mooncake's shared memory) touches all of it, staging and a zero-copy KV
 cache, at start (``KVStore.prefault``, reads only; construction waits up to
@@ -107,6 +111,7 @@ from kvpool.transfer import pieces
 from kvpool.transfer.arena import StagingArena
 from kvpool.transfer.copies import KVCopier
 from kvpool.transfer.loads import Loads
+from kvpool.transfer.priority import SaveThreads
 from kvpool.transfer.records import ChunkRef, Job, JobResult, Piece, TransferStats
 from kvpool.transfer.saves import Saves
 from kvpool.transfer.shared import Shared
@@ -149,6 +154,7 @@ class TransferEngine:
         save_wait_s: float = 1.0,
         prefault: bool = False,
         deferred_saves: bool = False,
+        save_priority: Literal["idle", "normal"] = "normal",
     ) -> None:
         if min(piece_bytes, load_piece_bytes) < 1:
             raise ValueError(f"piece sizes must be >= 1, got {piece_bytes}, {load_piece_bytes}")
@@ -200,6 +206,7 @@ class TransferEngine:
         # Unbounded: a staged save's bytes are in staging before it is queued, and
         # loads are bounded by the requests waiting for them.
         self._save_q: queue.Queue[Job | None] = queue.Queue()
+        self._save_threads = SaveThreads(save_priority)  # their CPU priority
         self._stage_q: queue.Queue[Job | None] = queue.Queue()  # deferred saves
         self._load_q: queue.Queue[Job | None] = queue.Queue()
         self.deferred_saves = deferred_saves and not zero_copy
@@ -211,9 +218,9 @@ class TransferEngine:
             save_wait_s,
             backoff_s,
             zero_copy,
-            self._save_q.put,
+            self._queue_save,
             self._save_q.qsize,
-            self._stage_q.put if self.deferred_saves else None,
+            self._queue_stage if self.deferred_saves else None,
         )
         self._loads = Loads(
             self._core,
@@ -227,10 +234,11 @@ class TransferEngine:
         )
         if load_timeout_s is not None and not staged_loads:
             logger.info("direct loads cannot be abandoned: load_timeout_s is not enforced")
+        self._saves.moved = self._save_threads.moved
         self._threads = [
             threading.Thread(
                 target=self._loop,
-                args=(self._save_q, self._saves.run, self._saves.finish),
+                args=(self._save_q, self._saves.run, self._saves.finish, self._save_threads),
                 name="kvpool-save",
             ),
             threading.Thread(
@@ -384,25 +392,44 @@ class TransferEngine:
             thread.join()
         self._loads.scatter_q.put(None)  # after the load thread's last piece
         self._threads[2].join()
+        self._save_threads.close()
 
     # -- background threads -------------------------------------------------------
 
     def _stage_loop(self) -> None:
         """The stage thread (deferred saves): copy each queued job's blocks into
         staging; ``Saves.stage`` refuses, never raises, on a copy that fails."""
+        self._save_threads.enter()
         while (job := self._stage_q.get()) is not None:
-            self._saves.stage(job)
+            try:
+                self._saves.stage(job)
+            finally:
+                self._save_threads.done()
+
+    def _queue_save(self, job: Job) -> None:
+        self._save_threads.queued()
+        self._save_q.put(job)
+
+    def _queue_stage(self, job: Job) -> None:
+        self._save_threads.queued()
+        self._stage_q.put(job)
 
     @staticmethod
     def _loop(
         q: queue.Queue[Job | None],
         run: Callable[[Job], None],
         fail: Callable[[Job, dict[str, Status]], None],
+        save_threads: SaveThreads | None = None,
     ) -> None:
         """A save or load thread: run each job; a bug fails the job, never the thread."""
+        if save_threads is not None:
+            save_threads.enter()
         while (job := q.get()) is not None:
             try:
                 run(job)
             except Exception:  # a bug here must not kill the thread or hang the engine
                 logger.exception("transfer job %r failed", job.job_id)
                 fail(job, dict.fromkeys((c.key for c in job.chunks), Status.UNAVAILABLE))
+            finally:
+                if save_threads is not None:
+                    save_threads.done()

@@ -103,6 +103,7 @@ class Saves:
     ) -> None:
         self.core = core
         self.enqueue = enqueue  # hands a job to the save thread
+        self.moved: Callable[[], None] = lambda: None  # a piece was staged or put
         self.stage_later = stage_later  # hands a job to the stage thread (None: stage now)
         self.backlog = backlog  # save jobs queued now
         self.arena = arena
@@ -241,6 +242,7 @@ class Saves:
             logger.exception("kvpool: copying KV blocks into staging failed; save refused")
             self.arena.free(start)
             return "staging_error"
+        self.moved()
         return piece
 
     def _refuse(self, job: Job, lo: int, reason: str) -> None:
@@ -292,6 +294,7 @@ class Saves:
             finally:
                 if piece.staging is not None:
                     self.arena.free(piece.staging)
+            self.moved()
             statuses.update(zip(keys, got, strict=True))
             sizes = [sizes[i] for i in order]
             if got.count(ok) == len(got):

@@ -25,7 +25,7 @@ from tests.store.test_ha import client
 
 from kvpool.pool import wait_until
 from kvpool.pool.binaries import MASTER_BINARY, find_binary
-from kvpool.pool.master_api import master_health, master_metrics
+from kvpool.pool.master_api import master_metrics, master_serving
 from kvpool.pool.processes import free_ports
 
 SKIP_CLEANUP = "MOONCAKE_MASTER_SERVICE_SNAPSHOT_TEST_SKIP_CLEANUP"
@@ -64,13 +64,9 @@ class SnapshotMaster:
         environ = {**os.environ, "MOONCAKE_SNAPSHOT_LOCAL_PATH": str(self.folder), **env}
         with open(self.folder / "master.log", "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=environ)
-        assert wait_until(self._ready, 30, step=0.1), "the master did not start"
-
-    def _ready(self) -> bool:
-        try:
-            return master_health(self.metrics_url, 0.5).get("service_ready") is True
-        except Exception:
-            return False
+        assert wait_until(lambda: master_serving(self.metrics_url), 30, step=0.1), (
+            "the master did not start"
+        )
 
     def snapshots(self) -> int:
         return int(master_metrics(self.metrics_url, 2.0).get("master_snapshot_success", 0))
@@ -107,6 +103,7 @@ def test_a_master_restored_from_its_snapshot_keeps_no_object_whose_lease_ran_out
     # With Mooncake's test switch the restart keeps every object (the holder's bytes
     # are where they were): the snapshot has them.
     master.kill()
+    assert not master_serving(master.metrics_url)  # a dead master is not serving
     master.start(**{SKIP_CLEANUP: "1"})
     assert client(home.pool_file, "exists", 20) == 20
     snapshot_after_now()

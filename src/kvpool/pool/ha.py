@@ -54,6 +54,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpool.config import is_ha, master_endpoints
 from kvpool.errors import StoreUnavailable
@@ -122,27 +123,37 @@ def parse_durable_prefix(value: bytes) -> int:
     return int(record["last_seq"])
 
 
+def _etcd(endpoint: str, timeout: float) -> http.client.HTTPConnection:
+    """A connection to etcd's JSON gateway at ``endpoint`` (host:port)."""
+    host, _, port = endpoint.rpartition(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def _etcd_range(conn: http.client.HTTPConnection, key: str) -> list[dict[str, Any]]:
+    """The ``kvs`` etcd holds for ``key`` (one, or none) through its JSON gateway,
+    values base64 as etcd gives them."""
+    body = json.dumps({"key": base64.b64encode(key.encode()).decode()})
+    conn.request("POST", "/v3/kv/range", body)
+    return list(json.loads(conn.getresponse().read()).get("kvs") or [])
+
+
 def log_durable_seq(endpoint: str, timeout: float = 1.0) -> int:
     """The last sequence number of the HA leader's log that is in the etcd at
     ``endpoint`` (host:port); 0 before the first entry. ``StoreUnavailable`` when
     etcd does not answer or the record is not Mooncake's (another version)."""
-    key = base64.b64encode(DURABLE_PREFIX_KEY.encode()).decode()
-    request = urllib.request.Request(
-        f"http://{endpoint}/v3/kv/range", json.dumps({"key": key}).encode()
-    )
+    conn = _etcd(endpoint, timeout)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            kvs = json.loads(resp.read()).get("kvs") or []
+        kvs = _etcd_range(conn, DURABLE_PREFIX_KEY)
         return parse_durable_prefix(base64.b64decode(kvs[0]["value"])) if kvs else 0
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise StoreUnavailable(
-            f"etcd at {endpoint} did not answer: {getattr(exc, 'reason', exc)}"
-        ) from None
+    except (OSError, http.client.HTTPException) as exc:  # a timeout too
+        raise StoreUnavailable(f"etcd at {endpoint} did not answer: {exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise StoreUnavailable(
             f"etcd at {endpoint} holds no durable-prefix record that kvpool reads "
             f"({exc}); is the pool's Mooncake the version setup.sh installs?"
         ) from None
+    finally:
+        conn.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,16 +193,14 @@ def elections(endpoint: str, timeout: float = 1.0) -> tuple[Election, ...]:
     or its history was compacted (it cannot say how many came before)."""
     key = base64.b64encode(MASTER_VIEW_KEY.encode()).decode()
     watch = {"create_request": {"key": key, "start_revision": 1}}
-    host, _, port = endpoint.rpartition(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn = _etcd(endpoint, timeout)
     try:
         # The current revision first: with no election in the history, the watch
         # sends nothing but its creation, and only the revision says it is all.
-        conn.request("POST", "/v3/kv/range", json.dumps({"key": key}))
-        current = json.loads(conn.getresponse().read())
-        if not current.get("kvs"):  # between a lease running out and the next election
+        current = _etcd_range(conn, MASTER_VIEW_KEY)
+        if not current:  # between a lease running out and the next election
             raise StoreUnavailable(f"no master leads now (a failover?); etcd at {endpoint}")
-        last = int(current["kvs"][0]["mod_revision"])
+        last = int(current[0]["mod_revision"])
         conn.request("POST", "/v3/watch", json.dumps(watch))
         resp = conn.getresponse()
         events: list[dict[str, object]] = []

@@ -57,7 +57,7 @@ from kvpool.errors import ConfigError, StoreUnavailable
 from kvpool.pool.binaries import ETCD_BINARY, HOLDER_BINARY, MASTER_BINARY, find_binary
 from kvpool.pool.faults import PoolFaults
 from kvpool.pool.ha import HaStart
-from kvpool.pool.master_api import master_health, master_metrics, segment_capacities
+from kvpool.pool.master_api import master_metrics, master_serving, segment_capacities
 from kvpool.pool.pool_file import PoolFile, _holders_text, _int, _sizes
 from kvpool.pool.processes import (
     _POLL_S,
@@ -336,9 +336,10 @@ class LocalPool(HaStart, PoolFile, PoolFaults):
             host, port = _split_address(self.master_address)
             if not _port_accepts(host, port):
                 return False
+        if not master_serving(self.metrics_url):
+            return False
         try:
-            ready = master_health(self.metrics_url, timeout=0.5).get("service_ready") is True
-            return ready and bool(master_metrics(self.metrics_url, timeout=0.5))
+            return bool(master_metrics(self.metrics_url, timeout=0.5))
         except StoreUnavailable:
             return False
 

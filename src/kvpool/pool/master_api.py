@@ -3,6 +3,8 @@
     master_metrics(url)          the master's Prometheus ``/metrics`` as {sample: value}
                                  (``parse_metrics(text)`` is the pure parser)
     master_health(url)           the JSON object of ``/health`` (``service_ready``, ...)
+    master_serving(url)          whether ``/health`` answers ``service_ready`` (False
+                                 when it does not answer)
     masters_health(url)          (url, ``/health``) of each master (HA: several)
     leader_url(url)              the metrics URL of the master that leads
     master_keys(url)             every key the master knows (``/get_all_keys``)
@@ -128,6 +130,15 @@ def master_health(metrics_url: str, timeout: float = 2.0) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise StoreUnavailable(f"{metrics_url}/health did not answer a JSON object")
     return data
+
+
+def master_serving(metrics_url: str, timeout: float = 0.5) -> bool:
+    """Whether the master answers ``/health`` with ``service_ready`` true; False when
+    it says otherwise or does not answer in ``timeout`` seconds."""
+    try:
+        return master_health(metrics_url, timeout).get("service_ready") is True
+    except StoreUnavailable:
+        return False
 
 
 def master_keys(metrics_url: str, timeout: float = 10.0) -> list[str]:

@@ -93,6 +93,8 @@ class SaveThreads:
             _set(tid, idle=not self._up)
 
     def queued(self) -> None:
+        if not self.idle:  # nothing to watch: no lock on the save path
+            return
         with self._cond:
             if self._queued == 0:
                 self._since = time.monotonic()
@@ -100,6 +102,8 @@ class SaveThreads:
             self._cond.notify_all()
 
     def done(self) -> None:
+        if not self.idle:  # nothing to watch: no lock on the save path
+            return
         with self._cond:
             self._queued = max(0, self._queued - 1)
             self._since = time.monotonic()
@@ -107,6 +111,8 @@ class SaveThreads:
                 self._move(up=False)
 
     def moved(self) -> None:
+        if not self.idle:  # nothing to watch: no lock on the save path
+            return
         with self._cond:
             self._since = time.monotonic()
 
